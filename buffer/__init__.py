@@ -1,0 +1,9 @@
+"""The shared-storage contract of shardrl.
+
+Rollout workers and the trainer never talk to each other: they meet only in a run directory on a shared filesystem
+(Lustre/NFS).  Everything that crosses that boundary — experience shards, the trainer's consumption log, published
+weights, control commands, leases and status records — is defined here.  This package imports nothing else of ours
+and nothing heavy (no torch) at import time.
+"""
+
+SCHEMA_VERSION = 1

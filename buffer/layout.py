@@ -1,0 +1,191 @@
+"""Every path of a run directory, in one place.
+
+Nobody formats a run-directory path by hand anywhere else.  The layout (also documented in README.md)::
+
+    RUN/
+      run.json                 run id, schema version, creation time
+      config.json              the resolved run config (single source of truth for every process)
+      control.json             written by people (`echo '{"action":"add","count":2}' > RUN/control.json`)
+      control/gen-XXXXXXXX.json  durable desired-worker state, one generation per applied/rejected command
+      leases/slot-XXXX.json    worker-slot leases held by node supervisors
+      shards/tmp/              shards being written (temporaries)
+      shards/ready/            complete, published experience shards (Arrow IPC file format)
+      shards/quarantine/       shards that failed validation, each with a .reason.json
+      plans/step-XXXXXXXX.eN.json  the trainer's consumption log (one plan per step, N = trainer epoch)
+      plans/epochs/XXXXXX.json trainer incarnations (fencing)
+      weights/vXXXXXX/         published HF-format weight versions (manifest.json written last)
+      weights/LATEST           atomic pointer to the newest complete version
+      status/workers/ID.json   worker status records (heartbeats)
+      status/supervisors/ID.json
+      status/trainer.json      trainer status record
+      checkpoints/step-XXXXXXXX/  DCP checkpoints; complete once COMMITTED exists
+      metrics/*.jsonl          per-step metrics (trainer, rollout, eval)
+      logs/                    process logs
+      base_model/              the base model when the config asks for the built-in tiny model
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+
+    @classmethod
+    def of(cls, root: str | Path) -> RunLayout:
+        return cls(Path(root).absolute())
+
+    # run-wide records
+    @property
+    def run_json(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def config_json(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def base_model(self) -> Path:
+        return self.root / "base_model"
+
+    # control and elastic scale
+    @property
+    def control_file(self) -> Path:
+        return self.root / "control.json"
+
+    @property
+    def control_dir(self) -> Path:
+        return self.root / "control"
+
+    def control_generation(self, gen: int) -> Path:
+        return self.control_dir / f"gen-{gen:08d}.json"
+
+    @property
+    def leases(self) -> Path:
+        return self.root / "leases"
+
+    def lease(self, slot: int) -> Path:
+        return self.leases / f"slot-{slot:04d}.json"
+
+    # experience shards
+    @property
+    def shards_tmp(self) -> Path:
+        return self.root / "shards" / "tmp"
+
+    @property
+    def shards_ready(self) -> Path:
+        return self.root / "shards" / "ready"
+
+    @property
+    def shards_quarantine(self) -> Path:
+        return self.root / "shards" / "quarantine"
+
+    def ready_shard(self, name: str) -> Path:
+        return self.shards_ready / name
+
+    def quarantined_shard(self, name: str) -> Path:
+        return self.shards_quarantine / name
+
+    def quarantine_reason(self, name: str) -> Path:
+        return self.shards_quarantine / f"{name}.reason.json"
+
+    # consumption log
+    @property
+    def plans(self) -> Path:
+        return self.root / "plans"
+
+    def plan(self, step: int, epoch: int) -> Path:
+        return self.plans / f"step-{step:08d}.e{epoch}.json"
+
+    @property
+    def epochs(self) -> Path:
+        return self.plans / "epochs"
+
+    def epoch(self, epoch: int) -> Path:
+        return self.epochs / f"{epoch:06d}.json"
+
+    # weights
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    def weight_version(self, version: int) -> Path:
+        return self.weights / f"v{version:06d}"
+
+    @property
+    def latest_pointer(self) -> Path:
+        return self.weights / "LATEST"
+
+    # status records
+    @property
+    def worker_status_dir(self) -> Path:
+        return self.root / "status" / "workers"
+
+    def worker_status(self, worker_id: str) -> Path:
+        return self.worker_status_dir / f"{worker_id}.json"
+
+    @property
+    def supervisor_status_dir(self) -> Path:
+        return self.root / "status" / "supervisors"
+
+    def supervisor_status(self, supervisor_id: str) -> Path:
+        return self.supervisor_status_dir / f"{supervisor_id}.json"
+
+    @property
+    def trainer_status(self) -> Path:
+        return self.root / "status" / "trainer.json"
+
+    # trainer checkpoints
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step:08d}"
+
+    def checkpoint_commit(self, step: int) -> Path:
+        return self.checkpoint(step) / "COMMITTED"
+
+    # metrics and logs
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
+
+    def metrics_file(self, name: str) -> Path:
+        return self.metrics / f"{name}.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def demo_summary(self) -> Path:
+        return self.root / "demo_summary.json"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    def directories(self) -> list[Path]:
+        return [
+            self.control_dir,
+            self.leases,
+            self.shards_tmp,
+            self.shards_ready,
+            self.shards_quarantine,
+            self.plans,
+            self.epochs,
+            self.weights,
+            self.worker_status_dir,
+            self.supervisor_status_dir,
+            self.checkpoints,
+            self.metrics,
+            self.logs,
+        ]
+
+    def create(self) -> None:
+        for d in self.directories():
+            d.mkdir(parents=True, exist_ok=True)
