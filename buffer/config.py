@@ -24,16 +24,27 @@ class RunConfig(_Section):
     """Run-wide settings shared by every process."""
 
     seed: int = Field(0, ge=0, description="Run seed; worker and trainer seeds are derived from it.")
-    max_workers: int = Field(64, ge=1, le=4096, description="Upper bound for the desired worker count (control.json).")
-    lease_timeout_s: float = Field(
-        30.0, gt=0, description="A worker-slot lease whose heartbeat counter stops changing this long is reclaimable."
+    max_workers: int = Field(
+        64, ge=1, le=4096, description="Upper bound for the desired worker count (control.json)."
     )
-    heartbeat_interval_s: float = Field(2.0, gt=0, description="How often supervisors renew leases and status.")
+    initial_workers: int = Field(1, ge=0, description="Desired worker count when the run is created.")
+    lease_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A worker-slot lease whose heartbeat counter stops changing this long is reclaimable.",
+    )
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0, description="How often supervisors renew leases and status."
+    )
     control_poll_s: float = Field(1.0, gt=0, description="How often supervisors poll control.json.")
     control_settle_s: float = Field(
-        2.0, ge=0, description="An unparsable control.json is 'still being written' for this long, then rejected."
+        2.0,
+        ge=0,
+        description="An unparsable control.json is 'still being written' for this long, then rejected.",
     )
-    keep_weight_versions: int = Field(3, ge=1, description="Published weight versions kept by garbage collection.")
+    keep_weight_versions: int = Field(
+        3, ge=1, description="Published weight versions kept by garbage collection."
+    )
 
 
 class ModelConfig(_Section):
@@ -47,7 +58,9 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the trainer's parameters as published and of the rollout engine."
     )
-    vocab_size: int | None = Field(None, ge=1, description="Filled in by `shardrl init` from the model config.")
+    vocab_size: int | None = Field(
+        None, ge=1, description="Filled in by `shardrl init` from the model config."
+    )
 
 
 class DataConfig(_Section):
@@ -56,11 +69,15 @@ class DataConfig(_Section):
     task: Literal["max_digit", "mod_add", "file"] = Field(
         "max_digit", description="Built-in demo task, or `file` to read `prompts_file`."
     )
-    prompts_file: str | None = Field(None, description="JSONL or Parquet with a `prompt` and optional `answer` field.")
+    prompts_file: str | None = Field(
+        None, description="JSONL or Parquet with a `prompt` and optional `answer` field."
+    )
     prompt_field: str = Field("prompt", description="Name of the prompt field in the prompts file.")
     answer_field: str = Field("answer", description="Name of the answer field in the prompts file.")
     chat_template: bool = Field(False, description="Render prompts with the tokenizer's chat template.")
-    max_prompt_length: int = Field(512, ge=1, description="Prompts longer than this (tokens) are skipped and counted.")
+    max_prompt_length: int = Field(
+        512, ge=1, description="Prompts longer than this (tokens) are skipped and counted."
+    )
 
 
 class RewardConfig(_Section):
@@ -71,7 +88,8 @@ class RewardConfig(_Section):
         description="Registered name (math_answer, exact_match, max_digit, mod_add) or `package.module:function`.",
     )
     reward_model: str | None = Field(
-        None, description="HF sequence-classification model directory; its score is added to the function's reward."
+        None,
+        description="HF sequence-classification model directory; its score is added to the function's reward.",
     )
     reward_model_weight: float = Field(1.0, description="Weight of the reward model's score.")
 
@@ -87,8 +105,12 @@ class SamplingConfig(_Section):
 
 class VllmConfig(_Section):
     dtype: str = Field("auto", description="vLLM dtype; `auto` follows model.dtype.")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Fraction of GPU memory vLLM may take.")
-    max_model_len: int | None = Field(None, ge=1, description="Context length; default prompt + response budget.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Context length; default prompt + response budget."
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of each worker's engine.")
     enforce_eager: bool = Field(True, description="Disable CUDA graphs (faster start, slower decode).")
     max_num_seqs: int = Field(256, ge=1, description="Maximum concurrent sequences.")
@@ -99,20 +121,32 @@ class VllmConfig(_Section):
 class RolloutConfig(_Section):
     """Rollout workers and the node supervisor."""
 
-    engine: Literal["auto", "vllm", "hf"] = Field("auto", description="`auto` = vllm when it imports, else hf.")
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="`auto` = vllm when it imports, else hf."
+    )
     max_local_workers: int | None = Field(
         None, ge=0, description="Worker slots per node; default: visible GPUs, or `cpu_workers` without GPUs."
     )
     cpu_workers: int = Field(1, ge=1, description="Local worker slots on a node without GPUs.")
     prompts_per_batch: int = Field(16, ge=1, description="Prompts per generate() call (x n samples).")
     shard_samples: int = Field(256, ge=1, description="Publish a shard after this many samples...")
-    flush_interval_s: float = Field(10.0, gt=0, description="...or after this many seconds, whichever comes first.")
-    max_staleness: int = Field(2, ge=0, description="Do not start a batch more than this many versions behind.")
-    max_backlog_samples: int = Field(4096, ge=1, description="Pause while the unconsumed backlog exceeds this.")
+    flush_interval_s: float = Field(
+        10.0, gt=0, description="...or after this many seconds, whichever comes first."
+    )
+    max_staleness: int = Field(
+        2, ge=0, description="Do not start a batch more than this many versions behind."
+    )
+    max_backlog_samples: int = Field(
+        4096, ge=1, description="Pause while the unconsumed backlog exceeds this."
+    )
     weights_poll_s: float = Field(1.0, gt=0, description="How often to poll weights/LATEST between batches.")
-    drain_deadline_s: float = Field(20.0, gt=0, description="SIGTERM: workers drained and exited within this.")
+    drain_deadline_s: float = Field(
+        20.0, gt=0, description="SIGTERM: workers drained and exited within this."
+    )
     restart_backoff_s: float = Field(2.0, gt=0, description="First restart delay of a dead worker (doubles).")
-    max_restarts: int = Field(5, ge=0, description="Restarts within `restart_window_s` before a slot is failed.")
+    max_restarts: int = Field(
+        5, ge=0, description="Restarts within `restart_window_s` before a slot is failed."
+    )
     restart_window_s: float = Field(300.0, gt=0, description="Window for counting crash-loop restarts.")
     threads_per_worker: int | None = Field(None, ge=1, description="OMP threads per CPU worker.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -129,12 +163,18 @@ class AlgorithmConfig(_Section):
     lam: float = Field(1.0, ge=0, le=1, description="PPO: GAE lambda.")
     clip_low: float = Field(0.2, ge=0, description="Ratio clip below 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="Ratio clip above 1 + clip_high.")
-    dual_clip: float | None = Field(3.0, gt=1, description="Dual-clip bound c for negative advantages; null = off.")
+    dual_clip: float | None = Field(
+        3.0, gt=1, description="Dual-clip bound c for negative advantages; null = off."
+    )
     value_clip: float = Field(0.2, ge=0, description="PPO: clipped value loss range.")
     value_coef: float = Field(0.5, ge=0, description="PPO: value loss weight.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0 = no reference).")
-    kl_mode: Literal["loss", "reward"] = Field("loss", description="KL as a loss term or as a reward penalty.")
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the KL to the reference model (0 = no reference)."
+    )
+    kl_mode: Literal["loss", "reward"] = Field(
+        "loss", description="KL as a loss term or as a reward penalty."
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How token losses are aggregated."
@@ -144,7 +184,8 @@ class AlgorithmConfig(_Section):
     )
     tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight.")
     staleness_mode: Literal["drop", "keep"] = Field(
-        "drop", description="Samples older than trainer.max_staleness: drop (counted) or keep with correction."
+        "drop",
+        description="Samples older than trainer.max_staleness: drop (counted) or keep with correction.",
     )
 
 
@@ -158,15 +199,23 @@ class TrainerConfig(_Section):
     schedule: Literal["constant", "cosine"] = Field("constant", description="LR schedule after warmup.")
     total_steps: int = Field(1000, ge=1, description="Horizon of the cosine schedule.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    samples_per_step: int = Field(256, ge=1, description="Samples consumed per optimizer step (whole groups).")
+    samples_per_step: int = Field(
+        256, ge=1, description="Samples consumed per optimizer step (whole groups)."
+    )
     max_tokens_per_microbatch: int = Field(8192, ge=16, description="Token budget of one micro-batch.")
-    max_staleness: int = Field(4, ge=0, description="Samples more versions behind than this are dropped/kept.")
-    step_wait_timeout_s: float | None = Field(None, gt=0, description="Give up waiting for samples after this.")
+    max_staleness: int = Field(
+        4, ge=0, description="Samples more versions behind than this are dropped/kept."
+    )
+    step_wait_timeout_s: float | None = Field(
+        None, gt=0, description="Give up waiting for samples after this."
+    )
     poll_interval_s: float = Field(0.5, gt=0, description="How often to look for new shards while waiting.")
     publish_every: int = Field(1, ge=1, description="Publish weights every N steps.")
     save_every: int = Field(10, ge=1, description="DCP checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after N steps in this invocation (per process).")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after N steps in this invocation (per process)."
+    )
     activation_checkpointing: bool = Field(False, description="Recompute decoder layers in backward.")
     param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="FSDP2 compute dtype; auto = bf16 on GPU, fp32 on CPU."
@@ -218,7 +267,9 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(f"command line: unexpected argument {arg!r}; overrides look like --section.key VALUE")
+            raise ConfigError(
+                f"command line: unexpected argument {arg!r}; overrides look like --section.key VALUE"
+            )
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
             i += 1
@@ -292,9 +343,13 @@ def load_run_config(run_config_json: Path, overrides: dict[str, str] | None = No
     try:
         base = json.loads(run_config_json.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{run_config_json}: missing; create the run with `shardrl init RUN --config CFG.toml`") from None
+        raise ConfigError(
+            f"{run_config_json}: missing; create the run with `shardrl init RUN --config CFG.toml`"
+        ) from None
     overrides = overrides or {}
-    cfg = validate(apply_overrides(json.loads(json.dumps(base)), overrides), f"{run_config_json} + command line")
+    cfg = validate(
+        apply_overrides(json.loads(json.dumps(base)), overrides), f"{run_config_json} + command line"
+    )
     before, after = flatten(base), flatten(cfg.model_dump(mode="json"))
     for key in overrides:
         if key not in PER_PROCESS_FIELDS and before.get(key) != after.get(key):

@@ -1,0 +1,122 @@
+"""Creating and opening a run directory: run.json, the resolved config and the base model.
+
+``shardrl init`` is the only writer of run.json and config.json; every later process opens the run and reads its
+config from there (``open_run``), with per-process overrides only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import SCHEMA_VERSION
+from .config import ConfigError, ShardRLConfig, flatten, load_run_config
+from .control import init_state
+from .fsio import create_json_exclusive, read_json_or_none
+from .layout import RunLayout
+
+TINY = ("tiny", "tiny-tied")
+
+
+@dataclass(frozen=True)
+class Run:
+    layout: RunLayout
+    config: ShardRLConfig
+    run_id: str
+
+    @property
+    def model_dir(self) -> Path:
+        return model_dir(self.layout, self.config)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return Path(self.config.model.tokenizer) if self.config.model.tokenizer else self.model_dir
+
+
+def model_dir(layout: RunLayout, cfg: ShardRLConfig) -> Path:
+    return layout.base_model if cfg.model.path in TINY else Path(cfg.model.path)
+
+
+def _absolutize(cfg: ShardRLConfig) -> ShardRLConfig:
+    """Relative paths in a config are relative to where `shardrl init` ran; the run stores absolute ones."""
+    data = cfg.model_dump(mode="json")
+    if data["model"]["path"] not in TINY:
+        data["model"]["path"] = str(Path(data["model"]["path"]).absolute())
+    for section, key in (("model", "tokenizer"), ("data", "prompts_file"), ("reward", "reward_model")):
+        if data[section][key]:
+            data[section][key] = str(Path(data[section][key]).absolute())
+    return ShardRLConfig.model_validate(data)
+
+
+def _with_model_facts(layout: RunLayout, cfg: ShardRLConfig) -> ShardRLConfig:
+    mdir = model_dir(layout, cfg)
+    cfg_path = mdir / "config.json"
+    try:
+        model_cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{cfg_path}: missing; model.path must be a HF model directory or `tiny`") from None
+    vocab = model_cfg.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise ConfigError(f"{cfg_path}: field vocab_size missing")
+    if cfg.model.vocab_size not in (None, vocab):
+        raise ConfigError(f"config: field model.vocab_size is {cfg.model.vocab_size}, the model has {vocab}")
+    cfg = cfg.model_copy(deep=True)
+    cfg.model.vocab_size = vocab
+    return cfg
+
+
+def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
+    """Create the run directory (idempotent for the same config; refuses a conflicting one)."""
+    layout = RunLayout.of(root)
+    cfg = _absolutize(cfg)
+    if cfg.model.path in TINY and not (layout.base_model / "config.json").exists():
+        from .tiny_model import build_tiny_model
+
+        layout.root.mkdir(parents=True, exist_ok=True)
+        build_tiny_model(layout.base_model, tied=cfg.model.path == "tiny-tied", seed=cfg.run.seed)
+    cfg = _with_model_facts(layout, cfg)
+    resolved = cfg.model_dump(mode="json")
+    existing = read_json_or_none(layout.config_json)
+    if existing is not None:
+        diff = _diff(existing, resolved)
+        if diff:
+            raise ConfigError(
+                f"{layout.config_json}: the run exists with a different config ({diff}); use a new RUN"
+            )
+        return open_run(root)
+    layout.create()
+    run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    create_json_exclusive(layout.config_json, resolved)
+    init_state(layout, cfg.run.initial_workers)
+    create_json_exclusive(
+        layout.run_json, {"run_id": run_id, "schema_version": SCHEMA_VERSION, "created_at": time.time()}
+    )
+    return open_run(root)
+
+
+def _diff(a: dict[str, Any], b: dict[str, Any]) -> str:
+    fa, fb = flatten(a), flatten(b)
+    keys = sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+    return ", ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys[:3]) + (
+        " ..." if len(keys) > 3 else ""
+    )
+
+
+def open_run(root: str | Path, overrides: dict[str, str] | None = None) -> Run:
+    """Open an existing run; its config comes from the run directory, plus per-process overrides."""
+    layout = RunLayout.of(root)
+    meta = read_json_or_none(layout.run_json)
+    if not isinstance(meta, dict):
+        raise ConfigError(
+            f"{layout.run_json}: missing or unreadable; create the run with `shardrl init RUN --config CFG`"
+        )
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigError(
+            f"{layout.run_json}: field schema_version is {meta.get('schema_version')!r}; this shardrl reads {SCHEMA_VERSION}"
+        )
+    cfg = load_run_config(layout.config_json, overrides)
+    return Run(layout, cfg, str(meta["run_id"]))

@@ -1,0 +1,64 @@
+"""Child processes for the buffer crash tests: run as ``python -m tests.integration._buffer_procs MODE RUN ...``."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from buffer import control, shards, weights
+from buffer.layout import RunLayout
+
+
+def write_shards_forever(layout: RunLayout) -> None:
+    """Publish shards of varying size as fast as possible until killed."""
+    w = shards.ShardWriter(layout, "run", "writer")
+    i = 0
+    while True:
+        for j in range(50 + (i * 37) % 400):
+            n = 1 + (j % 7)
+            w.add(
+                {
+                    "group_id": f"g{i}",
+                    "prompt_ids": list(range(1, 200)),
+                    "response_ids": [j % 50] * n,
+                    "response_logprobs": [-0.25] * n,
+                    "reward": 1.0,
+                    "policy_version": 0,
+                    "finish_reason": "stop",
+                }
+            )
+        w.flush()
+        i += 1
+
+
+def publish_forever(layout: RunLayout) -> None:
+    """Publish weight versions of a few MiB each until killed."""
+    v = weights.latest_version(layout) + 1
+    while True:
+        st = weights.staging_dir(layout, v)
+        for k in range(3):
+            (st / f"model-{k}.safetensors").write_bytes(bytes([v % 251]) * (2 << 20))
+        (st / "config.json").write_text("{}")
+        weights.commit_version(layout, v, st, step=v, dtype="float32")
+        v += 1
+
+
+def supervisor_control_loop(layout: RunLayout, who: str, seconds: float) -> None:
+    """Stand-in for a node supervisor's control polling (the real supervisor uses the same watcher)."""
+    w = control.ControlWatcher(layout, max_workers=64, settle_s=0.5, who=who)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        w.poll()
+        time.sleep(0.005)
+
+
+if __name__ == "__main__":
+    mode, run = sys.argv[1], RunLayout.of(sys.argv[2])
+    if mode == "shards":
+        write_shards_forever(run)
+    elif mode == "publish":
+        publish_forever(run)
+    elif mode == "control":
+        supervisor_control_loop(run, sys.argv[3], float(sys.argv[4]))
+    else:
+        raise SystemExit(f"unknown mode {mode}")

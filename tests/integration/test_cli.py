@@ -1,0 +1,144 @@
+"""The `shardrl` command line on real run directories (init, status, scale, synth, fsck), as separate processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from buffer import control, shards
+from buffer.layout import RunLayout
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "deploy" / "configs" / "demo.toml"
+
+
+def shardrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "buffer.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise AssertionError(f"shardrl {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("cli") / "run"
+    shardrl("init", str(run), "--config", str(DEMO), "--rollout.sampling.n", "4")
+    return run
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from buffer import cli\ntry:\n cli.main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout
+    assert out.strip().endswith("False")
+
+
+def test_init_writes_layout_and_is_idempotent_but_refuses_conflicts(run_dir):
+    layout = RunLayout.of(run_dir)
+    meta = json.loads(layout.run_json.read_text())
+    assert meta["schema_version"] == 1 and meta["run_id"]
+    cfg = json.loads(layout.config_json.read_text())
+    assert cfg["rollout"]["sampling"]["n"] == 4 and cfg["model"]["vocab_size"] > 10
+    assert (layout.base_model / "config.json").exists()
+    for d in layout.directories():
+        assert d.is_dir(), d
+    shardrl("init", str(run_dir), "--config", str(DEMO), "--rollout.sampling.n", "4")  # same config: no-op
+    assert json.loads(layout.run_json.read_text()) == meta
+    bad = shardrl("init", str(run_dir), "--config", str(DEMO), "--trainer.lr", "0.5", check=False)
+    assert bad.returncode == 2 and "different config" in bad.stderr and "trainer.lr" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_bad_config_is_one_clear_line(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[trainer]\nlr = "fast"\n')
+    p = shardrl("init", str(tmp_path / "r"), "--config", str(cfg), check=False)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "trainer.lr" in p.stderr and str(cfg) in p.stderr
+    p = shardrl("init", str(tmp_path / "r"), "--config", str(DEMO), "--nope.x", "1", check=False)
+    assert p.returncode == 2 and "field nope" in p.stderr
+    assert not (tmp_path / "r" / "run.json").exists()
+
+
+def test_run_wide_override_is_refused_per_process_one_allowed(run_dir):
+    from buffer.config import ConfigError
+    from buffer.run import open_run
+
+    assert open_run(run_dir, {"trainer.max_steps": "3"}).config.trainer.max_steps == 3
+    with pytest.raises(ConfigError, match="run-wide"):
+        open_run(run_dir, {"model.dtype": "bfloat16"})
+
+
+def test_status_json_has_the_contract_keys(run_dir):
+    snap = json.loads(shardrl("status", str(run_dir), "--json").stdout)
+    for key in (
+        "desired_workers",
+        "workers",
+        "latest_weights_version",
+        "latest_weights_path",
+        "trainer",
+        "shards",
+        "control",
+    ):
+        assert key in snap
+    assert set(snap["shards"]) >= {"ready", "consumed_samples", "unconsumed_samples", "quarantined"}
+    assert set(snap["trainer"]) >= {"step", "state"}
+    assert set(snap["control"]) >= {"last_applied", "last_rejection"}
+    assert snap["desired_workers"] == 1
+    assert "desired workers 1" in shardrl("status", str(run_dir)).stdout
+
+
+def test_scale_writes_what_echo_would_and_bad_commands_show_in_status(run_dir):
+    layout = RunLayout.of(run_dir)
+    watcher = control.ControlWatcher(layout, max_workers=4, settle_s=0.0, who="test-supervisor")
+    shardrl("scale", str(run_dir), "--add", "2")
+    assert json.loads(layout.control_file.read_text()) == {"action": "add", "count": 2}
+    assert watcher.poll().desired == 3
+    for text, reason in [
+        ('{"action":"add","count":9}', "above run.max_workers"),
+        ('{"action":"add","count":0}', "not allowed"),
+        ("{not json", "not valid JSON"),
+        ('{"action":"jump","count":1}', "not one of"),
+    ]:
+        layout.control_file.write_text(text)
+        time.sleep(0.01)
+        watcher.poll()
+        snap = json.loads(shardrl("status", str(run_dir), "--json").stdout)
+        assert reason in snap["control"]["last_rejection"]["reason"]
+        assert snap["desired_workers"] == 3
+        assert snap["control"]["last_applied"]["command"] == {"action": "add", "count": 2}
+
+
+def test_synth_then_fsck_clean_then_corruption_found_and_repaired(run_dir):
+    shardrl("synth", str(run_dir), "--shards", "3", "--samples", "10")
+    layout = RunLayout.of(run_dir)
+    ready = shards.list_ready(layout)
+    assert len(ready) == 3 and all(s.rows == 10 for s in ready)
+    vocab = json.loads(layout.config_json.read_text())["model"]["vocab_size"]
+    t = shards.read_shard(layout.ready_shard(ready[0].name), vocab)
+    groups = t.group_by("group_id").aggregate([("sample_id", "count")])
+    assert max(groups.column("sample_id_count").to_pylist()) == 4
+    assert shardrl("fsck", str(run_dir)).returncode == 0
+    victim = layout.ready_shard(ready[1].name)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    p = shardrl("fsck", str(run_dir), check=False)
+    assert p.returncode == 1 and "checksum" in p.stdout
+    shardrl("fsck", str(run_dir), "--repair", check=False)
+    assert shardrl("fsck", str(run_dir)).returncode == 0
+    snap = json.loads(shardrl("status", str(run_dir), "--json").stdout)
+    assert snap["shards"]["quarantined"] == 1 and snap["shards"]["ready"] == 2
+    assert snap["shards"]["unconsumed_samples"] == 20
+
+
+def test_tiny_model_command_builds_a_loadable_model(tmp_path):
+    out = tmp_path / "tiny"
+    shardrl("tiny-model", str(out), "--tied")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32

@@ -1,0 +1,31 @@
+"""Small builders shared by the buffer tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from buffer.layout import RunLayout
+
+
+def make_layout(tmp_path: Path) -> RunLayout:
+    layout = RunLayout.of(tmp_path / "run")
+    layout.create()
+    return layout
+
+
+def sample(
+    i: int, group: str = "g0", n_resp: int = 3, reward: float = 1.0, version: int = 0
+) -> dict[str, Any]:
+    return {
+        "group_id": group,
+        "prompt_ids": [1, 2, 3],
+        "response_ids": [4 + (i % 5)] * n_resp,
+        "response_logprobs": [-0.5] * n_resp,
+        "reward": reward,
+        "policy_version": version,
+        "finish_reason": "stop",
+        "prompt_text": "max(3,9)=",
+        "response_text": "9",
+        "answer": "9",
+    }

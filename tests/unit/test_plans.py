@@ -1,0 +1,63 @@
+"""The consumption log: plans, replay after crashes, fencing of stale incarnations."""
+
+from __future__ import annotations
+
+import pytest
+
+from buffer import plans
+
+from .buffer_helpers import make_layout
+
+
+def _ids(n: int, start: int = 0) -> list[str]:
+    return [f"s{i}" for i in range(start, start + n)]
+
+
+def test_crash_between_plan_and_checkpoint_replays_the_same_samples(tmp_path):
+    layout = make_layout(tmp_path)
+    log = plans.PlanLog.claim(layout)
+    log.write_plan(1, ["a"], _ids(4))
+    log.write_plan(2, ["a"], _ids(4, 4))  # checkpoint at step 1, then crash after planning step 2
+    log2 = plans.PlanLog.claim(layout)  # the restarted trainer
+    assert log2.epoch == log.epoch + 1
+    replay = log2.replay(after_step=1)
+    assert [p.step for p in replay] == [2] and replay[0].sample_ids == _ids(4, 4)
+    with pytest.raises(FileExistsError):
+        log2.write_plan(2, ["a"], _ids(4, 8))  # step 2 must be replayed, not re-planned
+    log2.write_plan(3, ["a"], _ids(2, 8))
+    consumed = plans.consumed_ids(log2.plans().values())
+    assert consumed == set(_ids(10))
+
+
+def test_crash_between_checkpoint_and_next_plan_loses_nothing(tmp_path):
+    layout = make_layout(tmp_path)
+    log = plans.PlanLog.claim(layout)
+    log.write_plan(1, ["a"], _ids(4))  # trained and checkpointed at 1; crash before planning 2
+    log2 = plans.PlanLog.claim(layout)
+    assert log2.replay(after_step=1) == []
+    assert plans.consumed_ids(log2.plans().values()) == set(_ids(4))  # s4.. stay available
+
+
+def test_fenced_incarnation_cannot_write_and_its_late_plans_are_ignored(tmp_path):
+    layout = make_layout(tmp_path)
+    old = plans.PlanLog.claim(layout)
+    old.write_plan(1, ["a"], _ids(2))
+    new = plans.PlanLog.claim(layout)
+    with pytest.raises(plans.FencedError):
+        old.write_plan(2, ["a"], _ids(2, 2))
+    # even if the zombie raced past the check, a plan it writes after the claim is not valid
+    from buffer.fsio import create_json_exclusive
+
+    zombie = plans.Plan(2, old.epoch, ["a"], _ids(2, 2))
+    create_json_exclusive(layout.plan(2, old.epoch), zombie.to_json())
+    assert 2 not in new.plans()
+    new.write_plan(2, ["a"], _ids(2, 4))
+    assert new.plans()[2].sample_ids == _ids(2, 4)
+    assert plans.consumed_ids(new.plans().values()) == set(_ids(2)) | set(_ids(2, 4))
+
+
+def test_dropped_samples_count_as_consumed(tmp_path):
+    layout = make_layout(tmp_path)
+    log = plans.PlanLog.claim(layout)
+    log.write_plan(1, ["a"], ["s1"], dropped_ids=["s0"])
+    assert plans.consumed_ids(log.plans().values()) == {"s0", "s1"}

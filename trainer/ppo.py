@@ -1,0 +1,351 @@
+"""Advantages and losses of the trainer: pure functions of tensors.
+
+Everything the trainer computes between "a micro-batch of logprobs/values" and "a scalar to call backward on" lives
+here: GRPO and GAE advantages, KL estimators, the clipped policy and value losses, truncated importance weights and
+the loss aggregation modes.  Nothing here reads a config object or talks to other ranks; `trainer/loop.py` passes
+plain floats and strings and, for aggregation, the token and sequence counts of the whole optimizer step, so that a
+loss does not depend on how samples fell onto micro-batches and ranks.
+
+Shapes: ``B`` sequences per micro-batch, ``T`` response tokens (right-padded), ``N`` samples.  A ``mask`` is ``[B, T]``
+(bool or 0/1 float) and marks the response tokens that are trained on.  Per-token outputs are 0 where the mask is 0.
+Tested on CPU against hand-computed values in ``tests/unit/test_ppo.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLKind = Literal["k1", "k2", "k3"]
+Metrics = dict[str, torch.Tensor]
+
+# Log-ratios are clamped before exp(): one wildly off token (e.g. a sample far behind the current policy) must give
+# a large but finite number, not inf/NaN that would poison the whole step.
+_MAX_LOG_RATIO = 20.0
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over positions where ``mask`` is set.  ``x`` and ``mask`` [B, T] -> scalar."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x)).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the masked-in positions (0 when there are none).  [B, T], [B, T] -> scalar."""
+    return masked_sum(x, mask) / mask.bool().sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------------------------------------- advantages
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantages: each reward minus its group's mean, optionally over the group's std.
+
+    ``rewards`` [N] (one scalar per sample), ``group_index`` [N] integer group id per sample (any ids, in any
+    order) -> advantages [N] in the floating dtype of ``rewards`` (float32 for integer rewards).
+
+    ``norm_by_std=True`` divides by ``std + eps`` with the population std (``unbiased=False``): it is defined for
+    every group size, and a group of G samples always has unit mean-square advantage whatever G is.
+    ``norm_by_std=False`` is Dr.GRPO (centring only).  A group of one sample, or whose rewards are all equal, has
+    nothing to compare against and gets exactly 0 (not a rounding residue divided by eps).
+    """
+    if rewards.dim() != 1 or rewards.shape != group_index.shape:
+        raise ValueError(
+            f"rewards and group_index must both be [N]; got {rewards.shape} and {group_index.shape}"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards.device)
+    r = rewards.detach().to(torch.float64)
+    _, g, count = torch.unique(group_index, return_inverse=True, return_counts=True)
+    zeros = torch.zeros(count.numel(), dtype=torch.float64, device=r.device)
+    mean = zeros.index_add(0, g, r) / count
+    centred = r - mean[g]
+    lo = zeros.scatter_reduce(0, g, r, "amin", include_self=False)
+    hi = zeros.scatter_reduce(0, g, r, "amax", include_self=False)
+    if norm_by_std:
+        std = (zeros.index_add(0, g, centred**2) / count).sqrt()
+        centred = centred / (std[g] + eps)
+    flat = (lo == hi)[g]
+    return torch.where(flat, torch.zeros_like(centred), centred).to(out_dtype)
+
+
+def scalar_reward_to_tokens(reward: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's scalar reward on its last masked-in token.
+
+    ``reward`` [B], ``mask`` [B, T] -> [B, T], zero everywhere else.  A row with no masked-in token gets no reward.
+    """
+    B, T = mask.shape
+    m = mask.bool()
+    positions = torch.arange(T, device=mask.device).expand(B, T)
+    last = torch.where(m, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros(B, T, dtype=reward.dtype, device=reward.device)
+    rows = torch.arange(B, device=mask.device)
+    has_any = last >= 0
+    out[rows[has_any], last[has_any]] = reward.detach()[has_any]
+    return out
+
+
+@torch.no_grad()
+def gae(
+    rewards_tok: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response tokens of each sequence.
+
+    ``rewards_tok``, ``values``, ``mask`` [B, T] -> ``(advantages, returns)``, both [B, T] and 0 where masked.
+
+    ``values[b, t]`` is the critic's estimate before token t is generated.  With ``d_t = r_t + gamma * V_next - V_t``
+    the recursion is ``A_t = d_t + gamma * lam * A_next`` and ``returns = A + V``.  "Next" means the next masked-in
+    token of the same row; after the last one the episode has ended, so ``V_next = A_next = 0``.  Masked positions are
+    skipped rather than treated as terminal, which makes right padding (any lengths) and masked-out spans inside a
+    response both come out right.  Inputs are treated as data (no gradient).
+    """
+    B, T = mask.shape
+    m = mask.bool()
+    r = rewards_tok.to(values.dtype)
+    next_v = torch.zeros(B, dtype=values.dtype, device=values.device)
+    next_a = torch.zeros_like(next_v)
+    adv = torch.zeros_like(values)
+    for t in reversed(range(T)):
+        delta = r[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * lam * next_a
+        adv[:, t] = torch.where(m[:, t], a, torch.zeros_like(a))
+        next_v = torch.where(m[:, t], values[:, t], next_v)
+        next_a = torch.where(m[:, t], a, next_a)
+    returns = torch.where(m, adv + values, torch.zeros_like(values))
+    return adv, returns
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``x`` to zero mean and unit variance over the masked-in positions.
+
+    ``x``, ``mask`` [B, T] -> [B, T], 0 where masked.  Population variance (``unbiased=False``).  With
+    ``shift_mean=False`` the mean is added back (only the scale changes), so the sign of each advantage relative to
+    the batch mean survives.  Statistics are over this tensor only: whiten the whole step's batch, not a micro-batch.
+    """
+    m = mask.bool()
+    mean = masked_mean(x, m)
+    var = masked_mean((x - mean) ** 2, m)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out, torch.zeros_like(out))
+
+
+# ---------------------------------------------------------------------------------------------------------------- KL
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled by pi.
+
+    ``logp``, ``ref_logp`` [B, T] -> [B, T] (no masking; aggregate with a mask).  With ``d = logp - ref_logp``:
+    ``k1 = d`` (unbiased, can be negative), ``k2 = d**2 / 2`` (biased, low variance),
+    ``k3 = exp(-d) + d - 1`` (unbiased, always >= 0).  ``d`` is clamped to +-20 inside k3's exp.
+    """
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        neg = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return torch.exp(neg) - neg - 1.0
+    raise ValueError(f"kl estimator must be one of k1, k2, k3; got {kind!r}")
+
+
+def mismatch_kl(
+    train_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, kind: KLKind = "k3"
+) -> torch.Tensor:
+    """How far the trainer's logprobs are from those the sampler reported, as a detached scalar metric.
+
+    ``train_logp``, ``behaviour_logp``, ``mask`` [B, T] -> scalar: masked token-mean estimate of
+    KL(behaviour || train).  The tokens were sampled by the behaviour policy, so it is the "pi" of `kl_estimate`.
+    """
+    return masked_mean(kl_estimate(behaviour_logp.detach(), train_logp.detach(), kind), mask)
+
+
+def truncated_is_weight(
+    proximal_or_current_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weight ``min(exp(a - b), cap)`` per token, detached.
+
+    [B, T], [B, T] -> [B, T].  ``a`` is the policy the update is taken against (the current policy for plain
+    truncated IS, the proximal policy for the decoupled objective), ``b`` the policy that sampled the tokens.
+    """
+    if cap <= 0:
+        raise ValueError(f"tis cap must be > 0; got {cap}")
+    log_w = (proximal_or_current_logp - behaviour_logp).detach()
+    return torch.exp(log_w.clamp(max=math.log(cap)))
+
+
+# ------------------------------------------------------------------------------------------------------------ losses
+
+
+def aggregate(
+    loss_tok: torch.Tensor,
+    mask: torch.Tensor,
+    mode: AggMode,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] with ``mask`` [B, T] to a scalar.
+
+    - ``token-mean``: ``sum(loss * mask) / global_tokens``.
+    - ``seq-mean-token-mean``: ``sum over seqs of (sum of the seq's loss / its token count) / global_seqs``.
+    - ``seq-mean-token-sum``: ``sum over seqs of (sum of the seq's loss) / global_seqs``.
+
+    ``global_tokens`` / ``global_seqs`` are the masked-in token count and the count of sequences with at least one
+    masked-in token over the whole optimizer step (all micro-batches, all ranks).  Given them, per-micro-batch
+    results add up to the loss of the whole batch however samples were split.  (FSDP2 averages gradients over ranks,
+    so the caller scales by the world size or reduces with a sum.)  Without them the local counts are used, which
+    makes this a plain mean over the given tensor; an empty tensor then gives 0.
+    """
+    m = mask.bool()
+    masked = torch.where(m, loss_tok, torch.zeros_like(loss_tok))
+    if mode == "token-mean":
+        denom = _denominator(global_tokens, m.sum(), "global_tokens")
+        return masked.sum() / denom
+    if mode not in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        raise ValueError(
+            f"loss aggregation must be token-mean, seq-mean-token-mean or seq-mean-token-sum; got {mode!r}"
+        )
+    per_seq = masked.sum(dim=1)
+    seq_tokens = m.sum(dim=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / seq_tokens.clamp(min=1)
+    denom = _denominator(global_seqs, (seq_tokens > 0).sum(), "global_seqs")
+    return per_seq.sum() / denom
+
+
+def _denominator(given: float | None, local: torch.Tensor, name: str) -> torch.Tensor | float:
+    if given is None:
+        return local.clamp(min=1)
+    if given <= 0:
+        raise ValueError(f"{name} must be > 0; got {given}")
+    return given
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    agg_mode: AggMode,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+    is_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Clipped PPO surrogate with asymmetric clipping, optional dual clip and optional per-token weight.
+
+    ``logp`` (with grad), ``old_logp``, ``advantages``, ``mask``, ``is_weight`` [B, T] -> ``(loss, metrics)``.
+
+    ``ratio = exp(logp - old_logp)``; per token ``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``.
+    With ``dual_clip = c > 1``, tokens with ``A < 0`` are further capped at ``-c * A``: a token whose ratio has
+    exploded (a stale or off-policy sample) then contributes a bounded loss and no gradient.  ``is_weight``
+    multiplies the per-token loss (truncated IS against the behaviour policy; for the decoupled objective
+    ``old_logp`` is the proximal policy and ``is_weight`` the proximal/behaviour weight).  Then `aggregate`.
+
+    Metrics (masked token-means, detached): ``clip_frac_low`` / ``clip_frac_high`` are the tokens where the lower
+    (``A < 0``) / upper (``A > 0``) clip is active, i.e. their gradient is cut; ``dual_clip_frac`` the tokens
+    bounded by the dual clip; ``approx_kl`` the k3 estimate of KL(old || current), the tokens being from ``old``.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None); got {dual_clip}")
+    old_logp = old_logp.detach()
+    adv = advantages.detach()
+    log_ratio = (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_tok = torch.maximum(unclipped, clipped)
+    dual_active = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -dual_clip * adv
+        dual_active = (adv < 0) & (loss_tok > bound)
+        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, bound), loss_tok)
+    if is_weight is not None:
+        loss_tok = loss_tok * is_weight.detach()
+    loss = aggregate(loss_tok, mask, agg_mode, global_tokens, global_seqs)
+
+    r = ratio.detach()
+    cut = clipped.detach() > unclipped.detach()
+    metrics = {
+        "clip_frac_low": masked_mean((cut & (r < 1.0)).float(), mask),
+        "clip_frac_high": masked_mean((cut & (r > 1.0)).float(), mask),
+        "dual_clip_frac": masked_mean(dual_active.float(), mask),
+        # k3 with the roles swapped: the tokens were sampled by old, so this estimates KL(old || current).
+        "approx_kl": masked_mean(r - 1.0 - log_ratio.detach(), mask),
+    }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+    agg_mode: AggMode,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Clipped value loss: ``0.5 * max((V - R)**2, (V_clip - R)**2)``, ``V_clip = V_old + clip(V - V_old, +-clip)``.
+
+    ``values`` (with grad), ``old_values``, ``returns``, ``mask`` [B, T] -> ``(loss, metrics)``.  Taking the larger
+    error means a value that moved more than ``clip`` from ``old_values`` in a direction that lowers the error gets no
+    further gradient, like the policy ratio clip.  The 0.5 makes the gradient of a token ``V - R``.  Then `aggregate`.
+    Metrics: ``value_clip_frac`` (tokens where the clipped error is the larger one), ``value_mse`` (unclipped).
+    """
+    old_values = old_values.detach()
+    returns = returns.detach()
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    err = (values - returns) ** 2
+    err_clipped = (v_clipped - returns) ** 2
+    loss = aggregate(0.5 * torch.maximum(err, err_clipped), mask, agg_mode, global_tokens, global_seqs)
+    metrics = {
+        "value_clip_frac": masked_mean((err_clipped.detach() > err.detach()).float(), mask),
+        "value_mse": masked_mean(err.detach(), mask),
+    }
+    return loss, metrics
+
+
+def entropy_bonus(
+    entropy_tok: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    agg_mode: AggMode,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Loss term ``-coef * aggregate(entropy)``: adding it to the loss rewards higher entropy.
+
+    ``entropy_tok``, ``mask`` [B, T] -> ``(loss, {"entropy": masked token-mean, detached})``.
+    """
+    loss = -coef * aggregate(entropy_tok, mask, agg_mode, global_tokens, global_seqs)
+    return loss, {"entropy": masked_mean(entropy_tok.detach(), mask)}
+
+
+def kl_loss(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    kind: KLKind,
+    agg_mode: AggMode,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """KL-to-reference loss term ``coef * aggregate(kl_estimate(logp, ref_logp, kind))``.
+
+    ``logp`` (with grad), ``ref_logp``, ``mask`` [B, T] -> ``(loss, {"kl_ref": masked token-mean, detached})``.
+    """
+    kl_tok = kl_estimate(logp, ref_logp.detach(), kind)
+    loss = coef * aggregate(kl_tok, mask, agg_mode, global_tokens, global_seqs)
+    return loss, {"kl_ref": masked_mean(kl_tok.detach(), mask)}
