@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
@@ -93,13 +94,6 @@ def build_table(rows: Sequence[dict[str, Any]], run_id: str, worker_id: str, seq
     return pa.table(columns, schema=schema_with_metadata(run_id, worker_id, seq))
 
 
-def serialize(table: pa.Table) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue()
-
-
 class ShardWriter:
     """Buffers samples of one worker incarnation and publishes them as shards.
 
@@ -146,17 +140,36 @@ class ShardWriter:
         return path
 
 
+class _CrcSink:
+    """A write-only file that computes the CRC-32 of what passes through (no extra copy of the shard)."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.crc = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def publish_shard(layout: RunLayout, table: pa.Table, worker_id: str, incarnation: str, seq: int) -> Path:
-    """Write ``table`` as a shard: tmp file, fsync, rename into ready/, fsync ready/."""
-    data = serialize(table)
-    name = ShardName(worker_id, incarnation, seq, table.num_rows, zlib.crc32(memoryview(data))).name
-    final = layout.ready_shard(name)
-    tmp = tmp_name(layout.shards_tmp / name)
+    """Write ``table`` as a shard: tmp file, fsync, rename into ready/ (named by its CRC-32), fsync ready/."""
+    tmp = tmp_name(layout.shards_tmp / f"{worker_id}.{incarnation}.{seq:06d}{SUFFIX}")
     try:
         with open(tmp, "wb") as f:
-            f.write(memoryview(data))
+            sink = _CrcSink(f)
+            with ipc.new_file(pa.PythonFile(sink, mode="w"), table.schema) as writer:
+                writer.write_table(table)
             f.flush()
             os.fsync(f.fileno())
+        final = layout.ready_shard(ShardName(worker_id, incarnation, seq, table.num_rows, sink.crc).name)
         os.rename(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -187,6 +200,13 @@ def _read_bytes(path: Path, attempts: int = 5, delay_s: float = 0.05) -> bytes:
     raise AssertionError("unreachable")
 
 
+def _values(col: pa.ChunkedArray) -> np.ndarray:
+    """The flattened child values of a list column as one numpy array (zero-copy per chunk)."""
+    flat = pc.list_flatten(col)
+    parts = [c.to_numpy(zero_copy_only=False) for c in flat.chunks]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
 def _value_problem(t: pa.Table, vocab_size: int | None) -> str | None:
     n_resp = pc.list_value_length(t["response_ids"])
     n_lp = pc.list_value_length(t["response_logprobs"])
@@ -194,16 +214,16 @@ def _value_problem(t: pa.Table, vocab_size: int | None) -> str | None:
         return "response_logprobs and response_ids differ in length"
     if t.num_rows and not pc.all(pc.greater(pc.list_value_length(t["prompt_ids"]), 0)).as_py():
         return "empty prompt_ids"
-    lp = pc.list_flatten(t["response_logprobs"])
-    if len(lp) and not pc.all(pc.is_finite(lp)).as_py():
+    lp = _values(t["response_logprobs"])
+    if lp.size and not np.isfinite(lp).all():
         return "non-finite response_logprobs"
-    if len(lp) and pc.max(lp).as_py() > LOGPROB_TOLERANCE:
-        return f"response_logprobs > 0 (max {pc.max(lp).as_py()})"
+    if lp.size and lp.max() > LOGPROB_TOLERANCE:
+        return f"response_logprobs > 0 (max {lp.max()})"
     for col in ("prompt_ids", "response_ids"):
-        ids = pc.list_flatten(t[col])
-        if not len(ids):
+        ids = _values(t[col])
+        if not ids.size:
             continue
-        lo, hi = pc.min(ids).as_py(), pc.max(ids).as_py()
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or (vocab_size is not None and hi >= vocab_size):
             return f"{col} out of range [0, {vocab_size}) (min {lo}, max {hi})"
     rewards = t["reward"]

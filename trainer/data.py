@@ -1,0 +1,243 @@
+"""Shards -> planned steps -> token-balanced micro-batches.
+
+Rank 0 plans each step from the ready shards through the consumption log (``buffer.plans``): whole GRPO groups,
+oldest policy version first, too-stale groups dropped (and recorded as consumed) or kept per config.  The plan is
+written durably before the step runs, then broadcast; every rank reads the planned rows from shared storage itself,
+computes the same advantages, and takes its token-balanced share.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from buffer import plans, shards
+from buffer.layout import RunLayout
+
+log = logging.getLogger(__name__)
+
+COLUMNS = [
+    "sample_id",
+    "group_id",
+    "prompt_ids",
+    "response_ids",
+    "response_logprobs",
+    "reward",
+    "policy_version",
+]
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    reward: float
+    policy_version: int
+    advantage: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def _samples(table: pa.Table) -> list[Sample]:
+    cols = {c: table.column(c).to_pylist() for c in COLUMNS}
+    return [Sample(*(cols[c][i] for c in COLUMNS)) for i in range(table.num_rows)]
+
+
+@dataclass
+class ShardCache:
+    """Validated rows of the ready shards that still hold unconsumed samples (bad shards are quarantined)."""
+
+    layout: RunLayout
+    vocab_size: int | None
+    rows: dict[str, list[Sample]] = field(default_factory=dict)  # shard name -> rows
+    done: set[str] = field(default_factory=set)  # fully consumed or quarantined shards
+    quarantined: int = 0
+
+    def refresh(self, consumed: set[str]) -> None:
+        for s in shards.list_ready(self.layout):
+            if s.name in self.done or s.name in self.rows:
+                continue
+            table = shards.load_or_quarantine(self.layout, s.name, self.vocab_size)
+            if table is None:
+                self.quarantined += 1
+                self.done.add(s.name)
+                log.warning("quarantined shard %s", s.name)
+                continue
+            self.rows[s.name] = _samples(table)
+        for name in list(self.rows):
+            if all(r.sample_id in consumed for r in self.rows[name]):
+                del self.rows[name]
+                self.done.add(name)
+
+    def load(self, shard_names: list[str]) -> dict[str, Sample]:
+        """Rows of specific shards (for replaying a plan), by sample id."""
+        out: dict[str, Sample] = {}
+        for name in shard_names:
+            rows = self.rows.get(name)
+            if rows is None:
+                rows = _samples(shards.read_shard(self.layout.ready_shard(name), self.vocab_size))
+            out.update((r.sample_id, r) for r in rows)
+        return out
+
+
+def group_candidates(cache: ShardCache, consumed: set[str]) -> list[tuple[str, list[Sample], list[str]]]:
+    """Unconsumed whole groups, oldest policy version first: (group id, rows, shard names)."""
+    groups: dict[str, tuple[list[Sample], set[str]]] = {}
+    for name, rows in cache.rows.items():
+        for r in rows:
+            if r.sample_id not in consumed:
+                g = groups.setdefault(r.group_id, ([], set()))
+                g[0].append(r)
+                g[1].add(name)
+    ordered = sorted(groups.items(), key=lambda kv: (min(r.policy_version for r in kv[1][0]), kv[0]))
+    return [(gid, rows, sorted(names)) for gid, (rows, names) in ordered]
+
+
+@dataclass
+class Selection:
+    samples: list[Sample]
+    dropped: list[Sample]
+    shards: list[str]
+
+
+def select_step(
+    candidates: list[tuple[str, list[Sample], list[str]]],
+    samples_per_step: int,
+    current_version: int,
+    max_staleness: int,
+    drop_stale: bool,
+) -> Selection | None:
+    """Whole groups until ``samples_per_step`` is reached; None while not enough fresh samples exist."""
+    chosen: list[Sample] = []
+    dropped: list[Sample] = []
+    names: set[str] = set()
+    for _gid, rows, shard_names in candidates:
+        stale = current_version - min(r.policy_version for r in rows) > max_staleness
+        if stale and drop_stale:
+            dropped.extend(rows)
+            names.update(shard_names)
+            continue
+        if len(chosen) >= samples_per_step:
+            break
+        chosen.extend(rows)
+        names.update(shard_names)
+    if len(chosen) < samples_per_step:
+        return None
+    return Selection(chosen, dropped, sorted(names))
+
+
+class Planner:
+    """Rank 0's view of the consumption log: plans new steps and replays recorded ones."""
+
+    def __init__(self, layout: RunLayout, log_: plans.PlanLog, vocab_size: int | None):
+        self.log = log_
+        self.cache = ShardCache(layout, vocab_size)
+        self.consumed = plans.consumed_ids(log_.plans().values())
+        self.dropped_total = 0
+
+    def replay(self, plan: plans.Plan) -> list[Sample]:
+        rows = self.cache.load(plan.shards)
+        missing = [s for s in plan.sample_ids if s not in rows]
+        if missing:
+            raise RuntimeError(
+                f"plan step {plan.step}: {len(missing)} planned samples not found in {plan.shards}"
+            )
+        return [rows[s] for s in plan.sample_ids]
+
+    def try_plan(
+        self, step: int, samples_per_step: int, current_version: int, max_staleness: int, drop_stale: bool
+    ) -> tuple[plans.Plan, list[Sample]] | None:
+        self.cache.refresh(self.consumed)
+        sel = select_step(
+            group_candidates(self.cache, self.consumed),
+            samples_per_step,
+            current_version,
+            max_staleness,
+            drop_stale,
+        )
+        if sel is None:
+            return None
+        versions = [s.policy_version for s in sel.samples]
+        extra: dict[str, Any] = {
+            "min_version": min(versions),
+            "max_version": max(versions),
+            "trainer_version": current_version,
+            "staleness": [current_version - v for v in versions],
+        }
+        plan = self.log.write_plan(
+            step, sel.shards, [s.sample_id for s in sel.samples], [s.sample_id for s in sel.dropped], extra
+        )
+        self.consumed.update(plan.sample_ids)
+        self.consumed.update(plan.dropped_ids)
+        self.dropped_total += len(sel.dropped)
+        return plan, sel.samples
+
+    def unconsumed_count(self) -> int:
+        return sum(1 for rows in self.cache.rows.values() for r in rows if r.sample_id not in self.consumed)
+
+
+def assign_to_ranks(samples: list[Sample], world: int) -> list[list[Sample]]:
+    """Deterministic token-balanced split: longest first onto the least-loaded rank."""
+    loads = [0] * world
+    out: list[list[Sample]] = [[] for _ in range(world)]
+    for s in sorted(samples, key=lambda s: (-s.length, s.sample_id)):
+        r = loads.index(min(loads))
+        out[r].append(s)
+        loads[r] += s.length
+    return out
+
+
+def microbatches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    """Length-sorted micro-batches whose padded size (rows x longest row) stays within ``max_tokens``."""
+    out: list[list[Sample]] = []
+    cur: list[Sample] = []
+    for s in sorted(samples, key=lambda s: s.length):
+        if cur and (len(cur) + 1) * s.length > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def collate(batch: list[Sample], pad_id: int) -> dict[str, Any]:
+    """Right-padded tensors of one micro-batch.
+
+    ``input_ids`` [B,T]; ``response_mask`` [B,T] marks positions whose token is a response token (the logprob at
+    position t is that of ``input_ids[:, t]``); ``behaviour_logp`` and ``advantages`` are aligned with it.
+    """
+    import torch
+
+    width = max((s.length for s in batch), default=1)
+    b = len(batch)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.float32)
+    behaviour = torch.zeros((b, width), dtype=torch.float32)
+    adv = torch.zeros((b, width), dtype=torch.float32)
+    rewards = torch.zeros(b, dtype=torch.float32)
+    for i, s in enumerate(batch):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attn[i, : p + r] = 1
+        mask[i, p : p + r] = 1.0
+        behaviour[i, p : p + r] = torch.tensor(s.response_logprobs)
+        adv[i, p : p + r] = s.advantage
+        rewards[i] = s.reward
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attn,
+        "response_mask": mask,
+        "behaviour_logp": behaviour,
+        "advantages": adv,
+        "rewards": rewards,
+    }
