@@ -180,7 +180,10 @@ class AlgorithmConfig(_Section):
         "token-mean", description="How token losses are aggregated."
     )
     off_policy: Literal["none", "tis", "decoupled"] = Field(
-        "tis", description="Correction for stale samples: truncated IS, or the decoupled PPO objective."
+        "decoupled",
+        description="none: PPO ratio against the behaviour logprobs; tis: truncated-IS policy gradient "
+        "(weight min(p_train/p_behaviour, tis_cap), no ratio clip); decoupled: PPO ratio against the proximal "
+        "policy (weights before this step) times the truncated behaviour weight.",
     )
     tis_cap: float = Field(2.0, gt=0, description="Cap of the truncated importance weight.")
     staleness_mode: Literal["drop", "keep"] = Field(
@@ -200,7 +203,10 @@ class TrainerConfig(_Section):
     total_steps: int = Field(1000, ge=1, description="Horizon of the cosine schedule.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     samples_per_step: int = Field(
-        256, ge=1, description="Samples consumed per optimizer step (whole groups)."
+        256, ge=1, description="Samples consumed per training step (whole groups)."
+    )
+    updates_per_step: int = Field(
+        1, ge=1, description="Optimizer updates per step (the step's samples split into this many mini-batches)."
     )
     max_tokens_per_microbatch: int = Field(8192, ge=16, description="Token budget of one micro-batch.")
     max_staleness: int = Field(
