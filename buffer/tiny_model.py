@@ -1,0 +1,195 @@
+"""The built-in tiny model: a randomly initialised Qwen2-architecture causal LM and a small byte-level BPE tokenizer.
+
+Tests and the CPU demo need a model that both transformers and vLLM load, that the trainer can shard and publish, and
+that is small enough to train on a laptop; it is built locally from a config, never downloaded.  The tokenizer is
+trained on a small built-in corpus that includes the demo tasks' text, and every digit is its own token, so that
+``max(3,9)=`` is seven tokens and a one-digit answer is one token.
+
+Built by ``shardrl init`` when the config asks for ``tiny`` / ``tiny-tied``, by ``shardrl tiny-model OUT [--tied]``,
+and by the tests' session fixtures.  Importing this module imports nothing heavy; the builder imports torch,
+transformers and tokenizers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, cast
+
+from buffer.fsio import fsync_dir, tmp_name
+
+# Shape: vLLM's CPU attention kernel needs head_dim >= 32, so 4 heads x 32 on a hidden size of 128.
+HIDDEN = 128
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+INTERMEDIATE = 384
+MAX_POSITIONS = 512
+TARGET_VOCAB = 384
+# Wider than the usual 0.02 so that a fresh model's next-token distributions are far from uniform: a logprob check
+# against a near-uniform model cannot tell a right position or weight from a wrong one.
+INIT_STD = 0.2
+
+EOS = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [EOS, IM_START, IM_END]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_PROSE = """\
+The answer is a single digit. Write the answer and stop.
+What is the largest digit in the list? The largest digit is the answer.
+Add the two numbers and keep the last digit: that is the sum modulo ten.
+A question is followed by an answer. The model reads the prompt and writes a response.
+Each step of training reads samples from the buffer, computes the advantage of every response in its group,
+and updates the policy with a clipped objective. Rewards are one for a correct answer and zero otherwise.
+The rollout workers generate text with the latest weights they can find on shared storage.
+The trainer publishes new weights, and the workers load them without restarting their engines.
+Question: which number is the maximum? Answer: the maximum is the greatest number of the list.
+Let us think step by step. First compare the first two numbers, then compare the result with the next one.
+"""
+
+
+def corpus(seed: int = 0) -> list[str]:
+    """Text the tokenizer is trained on: the demo tasks in several spellings, a chat frame and some prose."""
+    rng = random.Random(seed)
+    lines = _PROSE.splitlines()
+    for a in range(10):
+        for b in range(10):
+            lines.append(f"max({a},{b})={max(a, b)}")
+            lines.append(f"{a}+{b}={(a + b) % 10}")
+            lines.append(f"({a}+{b})%10={(a + b) % 10}")
+            lines.append(f"{a} + {b} = {a + b}")
+    for _ in range(200):
+        digits = [rng.randrange(10) for _ in range(rng.randint(2, 6))]
+        lines.append(f"max({','.join(map(str, digits))})={max(digits)}")
+        lines.append(
+            f"Question: what is the largest digit in {' '.join(map(str, digits))}? Answer: {max(digits)}"
+        )
+    for a, b in [(3, 9), (7, 2), (5, 5), (0, 8), (4, 1), (6, 3)]:
+        lines.append(f"{IM_START}system\nYou are a helpful assistant.{IM_END}\n")
+        lines.append(f"{IM_START}user\nmax({a},{b})={IM_END}\n{IM_START}assistant\n{max(a, b)}{IM_END}\n")
+    return lines
+
+
+def _train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    # Digits and punctuation are split off before byte-level BPE, so no merge can ever join two digits or glue
+    # `)=` together: numbers are read digit by digit and every demo answer is exactly one token.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Punctuation(behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return tok
+
+
+def _as_qwen2_tokenizer(tok):  # tokenizers.Tokenizer -> transformers.Qwen2Tokenizer
+    """The trained vocabulary and merges inside transformers' own Qwen2 tokenizer pipeline.
+
+    ``AutoTokenizer`` (and so vLLM) always rebuilds a ``qwen2`` model's tokenizer from vocab and merges with Qwen's
+    pre-tokenizer, ignoring the one in tokenizer.json; saving through that same class keeps the file and every loader
+    in agreement.  Qwen's split also isolates single digits, and the merges were learned on finer pieces (punctuation
+    isolated), so no merge can glue two digits or two punctuation marks at run time either.
+    """
+    import json
+
+    from transformers import Qwen2Tokenizer
+
+    model = json.loads(tok.to_str())["model"]
+    merges: Any = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        eos_token=EOS,
+        pad_token=EOS,
+        extra_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_POSITIONS,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0) -> Path:
+    """Build the tiny model and tokenizer into ``out`` (HF format, float32) and return ``out``.
+
+    Deterministic: the same ``seed`` and ``tied`` give the same files.  The directory appears complete or not at all
+    (built beside it, then renamed); an existing non-empty ``out`` is an error.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: tiny model directory already exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    tok = _train_tokenizer(TARGET_VOCAB)
+    eos_id = tok.token_to_id(EOS)
+    im_end_id = tok.token_to_id(IM_END)
+    config = Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=INIT_STD,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=tied,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = cast(Any, Qwen2ForCausalLM(config))
+        model.to(torch.float32)
+    # A chat turn ends with <|im_end|>; plain completions end with <|endoftext|>.  Both stop generation.
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id
+    )
+
+    hf_tok = _as_qwen2_tokenizer(tok)
+
+    tmp = tmp_name(out)
+    try:
+        model.save_pretrained(tmp)
+        hf_tok.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename cannot replace a directory on every platform
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,54 @@
+"""Generation engines behind one small interface (``base.Engine``): vLLM, or plain transformers as the fallback.
+
+``make_engine`` is the only constructor the rollout worker uses.  Importing this package imports neither torch nor
+vLLM; the chosen engine imports its library when it is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from rollout_worker.engines.base import Completion, Engine, EngineError, SamplingSpec
+
+__all__ = ["Completion", "Engine", "EngineError", "SamplingSpec", "make_engine", "resolve_kind"]
+
+KINDS = ("auto", "vllm", "hf")
+
+
+def resolve_kind(kind: str) -> str:
+    """``auto`` -> ``vllm`` where vLLM is installed, else ``hf``; other kinds are checked and returned."""
+    if kind not in KINDS:
+        raise EngineError(f"rollout.engine: {kind!r} is not one of {', '.join(KINDS)}")
+    if kind == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise EngineError("rollout.engine: 'vllm' is not installed here; use 'hf' or 'auto'")
+    return kind
+
+
+def make_engine(
+    kind: str,
+    model_dir: Path,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_model_len: int = 2048,
+    vllm_options: dict[str, Any] | None = None,
+) -> Engine:
+    """Build the engine of ``kind`` ("vllm" | "hf" | "auto") on the HF model in ``model_dir``.
+
+    ``vllm_options`` are ``vllm.LLM`` arguments (``None`` values mean vLLM's default) plus ``cpu_kvcache_space_gib``
+    and ``cpu_threads_bind``; the transformers engine ignores them.
+    """
+    kind = resolve_kind(kind)
+    if kind == "vllm":
+        from rollout_worker.engines.vllm import VllmEngine
+
+        return VllmEngine(
+            model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, options=vllm_options
+        )
+    from rollout_worker.engines.hf import HFEngine
+
+    return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len)

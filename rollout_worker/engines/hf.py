@@ -1,0 +1,241 @@
+"""Generation with plain transformers: the fallback engine where vLLM is not installed (the lent GPU machines).
+
+A hand-written sampling loop over a KV cache rather than ``model.generate``: the loop computes each sampled token's
+logprob under exactly the distribution it was drawn from (temperature, then top-k, then top-p, then log-softmax, in
+vLLM's order and with vLLM's tie and boundary rules), which is what PPO's behaviour logprobs must be.  Prompts are
+left-padded into one batch with explicit position ids.  Hot reload copies safetensors into the live parameters.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from rollout_worker.engines.base import (
+    Completion,
+    EngineError,
+    SamplingSpec,
+    check_prompts,
+    require_model_dir,
+    safetensors_files,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+}
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits of the sampling distribution: ``[B, V]`` float32 -> ``[B, V]`` with removed tokens at -inf.
+
+    Greedy (temperature 0) leaves the logits untouched: a greedy token's logprob is reported under the unscaled
+    distribution, as vLLM does.
+    """
+    import torch
+
+    if temperature <= 0:
+        return logits
+    logits = logits / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        # Every token tied with the k-th largest logit stays in (vLLM keeps ties too).
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        tail_mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop the smallest tokens whose cumulative mass stays within 1 - p; the largest token always stays.
+        drop = tail_mass <= 1.0 - top_p
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+class HFEngine:
+    """The ``Engine`` interface on a transformers causal LM, on the GPU when one is visible, else the CPU."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        device: str | None = None,
+        max_batch_size: int = 256,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_dir = require_model_dir(Path(model_dir))
+        if dtype not in _DTYPES:
+            raise EngineError(f"hf engine: dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.max_model_len = max_model_len
+        self.max_batch_size = max_batch_size
+        self._rng = random.Random(seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # Any: transformers' typing of PreTrainedModel.to confuses the checker
+        self.model: Any = cast(
+            Any, AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, _DTYPES[dtype]))
+        )
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.eos_ids = self._eos_ids()
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else min(self.eos_ids)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        if not ids:
+            raise EngineError(
+                f"{self.model_dir}: neither generation_config.json nor the tokenizer names an EOS token"
+            )
+        return ids
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        import torch
+
+        check_prompts(prompt_ids, sampling, self.max_model_len)
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        rows = [list(p) for p in prompt_ids for _ in range(sampling.n)]
+        done: list[Completion] = []
+        with torch.inference_mode():
+            for start in range(0, len(rows), self.max_batch_size):
+                done.extend(
+                    self._generate_batch(rows[start : start + self.max_batch_size], sampling, generator)
+                )
+        return [done[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_ids))]
+
+    def _generate_batch(
+        self, rows: list[list[int]], sampling: SamplingSpec, generator: torch.Generator
+    ) -> list[Completion]:
+        import torch
+        from transformers import DynamicCache
+
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            mask[i, width - len(r) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        budget = [min(sampling.max_tokens, self.max_model_len - len(r)) for r in rows]
+        out_ids: list[list[int]] = [[] for _ in rows]
+        out_lps: list[list[float]] = [[] for _ in rows]
+        finish: list[str | None] = [None] * len(rows)
+        texts: list[str | None] = [None] * len(rows)
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        for _ in range(max(budget)):
+            token, logprob = self._sample(logits.float(), sampling, generator)
+            token_list, logprob_list = token.tolist(), logprob.tolist()
+            for i in range(len(rows)):
+                if finish[i] is None:
+                    out_ids[i].append(token_list[i])
+                    out_lps[i].append(logprob_list[i])
+                    finish[i], texts[i] = self._finished(out_ids[i], budget[i], sampling.stop)
+            if all(f is not None for f in finish):
+                break
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
+            positions = positions[:, -1:] + 1
+            logits = self.model(
+                input_ids=token[:, None], attention_mask=mask, position_ids=positions, past_key_values=cache
+            ).logits[:, -1, :]
+        return [
+            Completion(
+                prompt_ids=row,
+                response_ids=ids,
+                response_logprobs=lps,
+                finish_reason=reason or "length",
+                response_text=self._decode(ids) if text is None else text,
+            )
+            for row, ids, lps, reason, text in zip(rows, out_ids, out_lps, finish, texts, strict=True)
+        ]
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, V]`` float32 logits -> sampled tokens ``[B]`` and their logprobs ``[B]`` under the used distribution."""
+        import torch
+
+        logprobs = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p).log_softmax(
+            dim=-1
+        )
+        if sampling.temperature <= 0:
+            token = logits.argmax(dim=-1)
+        else:
+            token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+    def _finished(self, ids: list[int], budget: int, stop: list[str]) -> tuple[str | None, str | None]:
+        """(finish reason, text cut before a stop string) once a response is complete, else (None, None)."""
+        if ids[-1] in self.eos_ids:
+            return "stop", None
+        if stop:
+            text = self._decode(ids)
+            hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+            if hits:
+                return "stop", text[: min(hits)]
+        if len(ids) >= budget:
+            return "length", None
+        return None, None
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def load_weights(self, weights_dir: Path) -> None:
+        """Copy every tensor of ``weights_dir/*.safetensors`` into the live parameters.
+
+        All names and shapes are checked before anything is copied, so a bad directory leaves the old weights whole.
+        A tied model's directory carries no ``lm_head.weight``: the embedding it shares is loaded instead.
+        """
+        import torch
+        from safetensors.torch import load_file
+
+        files = safetensors_files(Path(weights_dir))
+        state: dict[str, Any] = {}
+        for f in files:
+            state.update(load_file(f, device=str(self.device)))
+        live = self.model.state_dict()
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        missing = sorted(set(live) - set(state) - ({"lm_head.weight"} if tied else set()))
+        unexpected = sorted(set(state) - set(live))
+        wrong = sorted(k for k in set(state) & set(live) if tuple(state[k].shape) != tuple(live[k].shape))
+        if missing or unexpected or wrong:
+            raise EngineError(
+                f"{weights_dir}: weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+                f"wrong shape {wrong[:3]}"
+            )
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
+
+    def close(self) -> None:
+        import torch
+
+        self.__dict__.pop("model", None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

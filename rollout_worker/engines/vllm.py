@@ -1,0 +1,173 @@
+"""Generation with vLLM (the CPU build here, the CUDA build on GPU nodes), with in-place hot reload of weights.
+
+``vllm.LLM`` runs its engine core and its model worker in processes it spawns; the process that builds a
+``VllmEngine`` must therefore be importable without side effects (an ``if __name__ == "__main__":`` guard in scripts).
+Logprobs are vLLM's ``processed_logprobs``: each sampled token's logprob under the distribution it was actually drawn
+from (temperature, top-k, top-p applied), the behaviour policy PPO corrects for.
+
+Hot reload goes through ``WorkerExtension``, which vLLM mixes into its worker class in the worker process (named by
+its import path; only a path string and a method name cross the process boundary).  This module imports vLLM only
+when an engine is built, so the worker process can import the extension cheaply.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rollout_worker.engines.base import (
+    Completion,
+    EngineError,
+    SamplingSpec,
+    check_prompts,
+    require_model_dir,
+    safetensors_files,
+    sample_seed,
+)
+
+EXTENSION = f"{__name__}.WorkerExtension"
+# Options that are not vllm.LLM arguments.
+_OWN_OPTIONS = {"cpu_kvcache_space_gib", "cpu_threads_bind"}
+
+
+class WorkerExtension:
+    """Methods added to vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
+
+    def shardrl_reload_weights(self, weights_path: str) -> float:
+        """Reload HF-format safetensors from ``weights_path`` in place; returns the seconds it took."""
+        from vllm.platforms import current_platform
+
+        start = time.perf_counter()
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        lm_head = getattr(model, "lm_head", None)
+        tied = getattr(self.model_config.hf_config, "tie_word_embeddings", False)  # type: ignore[attr-defined]
+        if tied and lm_head is not None and current_platform.is_cpu():
+            # On CPU the LM head's matmul runs on a prepacked copy of its weight.  A tied head shares the embedding,
+            # which the reload refilled, but nothing repacks the head: without this it keeps the old weights.
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+        return time.perf_counter() - start
+
+
+def configure_cpu_env(options: dict[str, Any]) -> None:
+    """Environment for vLLM's CPU backend, read by the processes it spawns (harmless on the CUDA build).
+
+    KV cache: ``cpu_kvcache_space_gib`` (whole GiB; vLLM reads an integer).  Threads: ``cpu_threads_bind`` becomes
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``"0-3"``, ``"4-7"``, ...).  Without it vLLM's ``auto`` binding stays: the model
+    worker gets all cores but one, kept for the scheduler and detokenizer processes.  On two cores that looks like a
+    waste but measured best (tiny model: 13k tok/s against 8k with both cores bound and 2-5k unbound; an 89M model:
+    no gain from the second core either).  Several engines on one node must each get their own cores: ``auto``
+    would put every engine on the same ones.  A value already in the environment (supervisor, user) always wins.
+    """
+    gib = options.get("cpu_kvcache_space_gib")
+    if gib is not None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(float(gib))))
+    bind = options.get("cpu_threads_bind")
+    if bind is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(bind)
+
+
+def llm_kwargs(
+    model_dir: Path, *, dtype: str, seed: int, max_model_len: int, options: dict[str, Any]
+) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments: ours, then the options (``None`` = vLLM's default; dtype ``auto`` = ours)."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": max_model_len,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": EXTENSION,
+        "enforce_eager": True,
+    }
+    for key, value in options.items():
+        if key in _OWN_OPTIONS or value is None or (key == "dtype" and value == "auto"):
+            continue
+        kwargs[key] = value
+    return kwargs
+
+
+class VllmEngine:
+    """The ``Engine`` interface on ``vllm.LLM``."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        model_dir = require_model_dir(Path(model_dir))
+        options = dict(options or {})
+        configure_cpu_env(options)
+        from vllm import LLM
+
+        self.kwargs = llm_kwargs(
+            model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, options=options
+        )
+        self.max_model_len = int(self.kwargs["max_model_len"])
+        self.llm = LLM(**self.kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.last_reload_s = 0.0
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        check_prompts(prompt_ids, sampling, self.max_model_len)
+
+        def params(seed: int | None) -> Any:
+            return SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                max_tokens=sampling.max_tokens,
+                stop=list(sampling.stop) or None,
+                seed=seed,
+                logprobs=0,
+            )
+
+        # vLLM gives the children of one request seeds seed + j; offsetting each prompt by n keeps every sample's
+        # stream distinct (one seed for the whole batch would give identical prompts identical samples).
+        per_prompt = [params(sample_seed(sampling.seed, i, sampling.n, 0)) for i in range(len(prompt_ids))]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        return [[self._completion(req.prompt_token_ids, out) for out in req.outputs] for req in outputs]
+
+    def _completion(self, prompt_ids: Any, out: Any) -> Completion:
+        ids = list(out.token_ids)
+        # vLLM's streaming detokenizer holds back a trailing partial UTF-8 character; decoding the ids gives the same
+        # text as the transformers engine.  Only a stop string's cut comes from vLLM.
+        stopped_by_string = isinstance(out.stop_reason, str)
+        return Completion(
+            prompt_ids=list(prompt_ids),
+            response_ids=ids,
+            response_logprobs=[float(out.logprobs[i][t].logprob) for i, t in enumerate(ids)],
+            finish_reason="length" if out.finish_reason == "length" else "stop",
+            response_text=out.text
+            if stopped_by_string
+            else self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+
+    def load_weights(self, weights_dir: Path) -> None:
+        """Reload in place between ``generate`` calls, then drop the prefix cache filled under the old weights."""
+        weights_dir = Path(weights_dir).absolute()
+        safetensors_files(weights_dir)
+        seconds = self.llm.collective_rpc("shardrl_reload_weights", kwargs={"weights_path": str(weights_dir)})
+        self.last_reload_s = max(float(s) for s in seconds)  # one result per tensor-parallel rank
+        if not self.llm.reset_prefix_cache():
+            raise EngineError(
+                "vllm engine: prefix cache not reset after a weight reload (requests still running)"
+            )
+
+    def close(self) -> None:
+        """Stop the engine core and worker processes now rather than when the interpreter exits."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
