@@ -1,0 +1,207 @@
+"""Benchmark of trainer.publish: the parallel publish against the naive rank-0 path and the raw disk.
+
+    python -m torch.distributed.run --nproc_per_node=N bench/publish.py --preset qwen2.5-1.5b
+    python bench/publish.py --preset tiny            # one process, a smoke check on CPU
+
+Builds a randomly initialised Qwen2 with a published model's shapes on the current device (GPU when there is one,
+else CPU), shards it with FSDP2 like the trainer does, and times, in the same run and directory:
+
+- raw:     rank 0 writes the publish's byte count as one file with fsync (what the disk alone costs);
+- publish: ``publish_weights`` (cast before the exchange, byte-balanced owners, one file per rank, index/manifest);
+- naive:   ``get_model_state_dict(full_state_dict, cpu_offload)`` to rank 0, cast, one safetensors file, fsync.
+
+Prints each time (best of ``--repeat``) and the ratios publish/raw and naive/raw, and checks that the two paths
+wrote the same tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PRESETS = {
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--dir", type=Path, default=Path("/tmp/shardrl-bench-publish"), help="scratch directory")
+    p.add_argument("--repeat", type=int, default=2, help="timed repetitions of each path (best is reported)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--bucket-mib", type=int, default=512, help="publish exchange bucket size")
+    return p.parse_args(argv)
+
+
+def raw_write(path: Path, nbytes: int, block: int = 64 << 20) -> None:
+    buf = memoryview(bytearray(min(block, max(nbytes, 1))))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(left, len(buf))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def naive_publish(actor, path: Path, dtype, tied: bool) -> None:
+    """All weights gathered in fp32 to rank 0's CPU, cast, written as one file there."""
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trainer import dist as tdist
+    from trainer.publish import hf_name
+
+    sd = get_model_state_dict(actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if tdist.is_main():
+        out = {}
+        for k, v in sd.items():
+            name = hf_name(k.removeprefix("lm."))
+            if not (tied and name == "lm_head.weight"):
+                out[name] = v.to(dtype) if v.is_floating_point() else v
+        save_file(out, str(path), metadata={"format": "pt"})
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        del out
+    del sd
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def timed(fn) -> float:
+    from trainer import dist as tdist
+
+    tdist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    tdist.barrier()
+    return time.perf_counter() - t0
+
+
+def same_tensors(published: Path, naive: Path) -> bool:
+    from safetensors.torch import load_file
+
+    a: dict = {}
+    for f in sorted(published.glob("model-*.safetensors")):
+        a.update(load_file(str(f)))
+    b = load_file(str(naive))
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from buffer.layout import RunLayout
+    from buffer.weights import garbage_collect
+    from trainer import dist as tdist
+    from trainer.model import shard_actor
+    from trainer.publish import PUBLISH_DTYPES, publish_weights
+
+    device = tdist.init()
+    me, world = tdist.rank(), tdist.world()
+    cfg = Qwen2Config(**PRESETS[args.preset], max_position_embeddings=4096)
+    tied = bool(cfg.tie_word_embeddings)
+    scratch = args.dir / args.preset
+    layout, src, naive_file, raw_file = (
+        RunLayout.of(scratch / "run"),
+        scratch / "src",
+        scratch / "naive.safetensors",
+        scratch / "raw.bin",
+    )
+    if me == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        layout.create()
+        cfg.save_pretrained(src)
+    tdist.barrier()
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)  # the same weights on every rank before sharding
+    with torch.device(device):
+        lm = AutoModelForCausalLM.from_config(cfg).float()
+    actor = shard_actor(lm, device)
+    n_params = sum(p.numel() for p in actor.parameters())
+    dtype = PUBLISH_DTYPES[args.dtype]
+    nbytes = sum(p.numel() for p in actor.parameters()) * dtype.itemsize
+    if me == 0:
+        print(
+            f"preset {args.preset}: {n_params / 1e6:.1f}M params, {nbytes / 2**30:.2f} GiB as {args.dtype}, "
+            f"{world} rank(s) on {device.type}, built in {time.perf_counter() - t0:.1f}s",
+            flush=True,
+        )
+
+    def publish(v: int) -> None:
+        publish_weights(
+            actor,
+            layout,
+            v,
+            v,
+            dtype=args.dtype,
+            tied=tied,
+            src_model_dir=src,
+            bucket_bytes=args.bucket_mib << 20,
+        )
+
+    publish(1)  # warm-up: communicators, pinned buffers, code paths
+    times: dict[str, list[float]] = {"raw": [], "publish": [], "naive": []}
+    for r in range(args.repeat):
+        times["raw"].append(timed(lambda: raw_write(raw_file, nbytes) if me == 0 else None))
+        times["publish"].append(timed(lambda r=r: publish(r + 2)))
+        times["naive"].append(timed(lambda: naive_publish(actor, naive_file, dtype, tied)))
+        if me == 0:
+            garbage_collect(layout, keep=1, in_use=[])
+    if me == 0:
+        latest = layout.weight_version(args.repeat + 1)
+        ok = same_tensors(latest, naive_file)
+        best = {k: min(v) for k, v in times.items()}
+        gib = nbytes / 2**30
+        for k in ("raw", "publish", "naive"):
+            runs = " ".join(f"{t:.3f}" for t in times[k])
+            print(f"{k:8s} {best[k]:7.3f}s  {gib / best[k]:6.2f} GiB/s   runs: {runs}")
+        print(
+            f"publish/raw {best['publish'] / best['raw']:.2f}   naive/raw {best['naive'] / best['raw']:.2f}   "
+            f"naive/publish {best['naive'] / best['publish']:.2f}   same tensors: {ok}",
+            flush=True,
+        )
+        shutil.rmtree(scratch, ignore_errors=True)
+    tdist.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Publish the FSDP2-sharded actor as an HF safetensors directory, written by all ranks in parallel.
+
+Called on every rank (``publish_weights``); nothing is gathered whole on one rank:
+
+1. Every weight (HF name, wrapper prefixes stripped; a tied LM head's alias dropped) is given to one owner rank,
+   largest first to the rank with the fewest bytes so far, so each rank writes about 1/world of the bytes.
+2. Each rank casts its local shards to the publish dtype *before* any communication, then one ``all_to_all`` per
+   bucket (about ``bucket_bytes`` of weights) sends every shard straight to its tensor's owner.  A rank thus receives
+   only the rows of the tensors it owns (about model/world bytes) instead of the whole model, as ``full_tensor()`` per
+   tensor would do on every rank, and the bytes travel in the (half-size, for bf16) publish dtype.
+3. The owner reassembles its tensors and appends them to its own ``model-RRRRR-of-WWWWW.safetensors``; the header
+   is known from the shapes up front, so the file is streamed: a writer thread and a hashing thread work on bucket k
+   (from pinned host memory on GPU) while the ranks exchange bucket k + 1.
+4. Rank 0 writes the index, ``config.json`` (dtype set to the publish dtype), the generation config and tokenizer
+   files, and calls ``buffer.weights.commit_version`` (manifest last, rename, LATEST) with every rank's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from buffer.layout import RunLayout
+from buffer.weights import WeightsError, commit_version, staging_dir
+from trainer import dist as tdist
+from trainer.model import hf_module, reshard
+
+PUBLISH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+# Name components added by wrappers around HF modules (activation checkpointing, FSDP1, torch.compile).
+_WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
+# Files of a source model directory that are not copied: the weights (we write our own), their index and config.
+_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
+INDEX = "model.safetensors.index.json"
+_WRITE_BLOCK = 64 << 20  # bytes per write() call
+# Host buffers of _HostStaging, kept across publishes: pinning memory is slow.
+_PINNED: list[torch.Tensor] = []
+
+
+@dataclass
+class _Item:
+    name: str  # HF name
+    tensor: torch.Tensor  # a DTensor, or a plain tensor that every rank holds in full
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # as written
+    nbytes: int
+    sharded: bool = False  # Shard(0) over all ranks in rank order: takes the all_to_all path
+    owner: int = 0
+    rows: list[int] = field(default_factory=list)  # sharded: dim-0 rows held by each rank
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
+
+
+def hf_name(name: str) -> str:
+    """A parameter name without wrapper components (``layers.0._checkpoint_wrapped_module.mlp`` -> ``layers.0.mlp``)."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def shard_file_name(rank: int, world: int) -> str:
+    return f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
+
+
+def assign_owners(sizes: list[int], world: int) -> list[int]:
+    """Greedy largest-first: each tensor (in order of decreasing size) goes to the rank with the fewest bytes."""
+    load = [0] * world
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = r
+        load[r] += sizes[i]
+    return owners
+
+
+def _is_row_sharded(t: torch.Tensor, world: int) -> bool:
+    if not isinstance(t, DTensor) or t.ndim == 0:
+        return False
+    mesh = t.device_mesh
+    return (
+        mesh.ndim == 1
+        and mesh.mesh.tolist() == list(range(world))
+        and len(t.placements) == 1
+        and t.placements[0] == Shard(0)
+    )
+
+
+def _collect(model: nn.Module, dtype: torch.dtype, tied: bool, world: int) -> list[_Item]:
+    """Every tensor to publish, in module order (the same on every rank)."""
+    hf = hf_module(model)
+    named: list[tuple[str, torch.Tensor]] = list(
+        hf.named_parameters()
+    )  # shared (tied) parameters appear once
+    for mod_name, mod in hf.named_modules():
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b is not None and b_name not in mod._non_persistent_buffers_set:
+                named.append((f"{mod_name}.{b_name}" if mod_name else b_name, b))
+    items: list[_Item] = []
+    seen: set[str] = set()
+    for raw, t in named:
+        name = hf_name(raw)
+        if tied and name == "lm_head.weight":
+            continue  # the alias of the embedding; HF re-ties it on load
+        if name in seen:
+            raise WeightsError(f"publish: two tensors map to the HF name {name!r}")
+        seen.add(name)
+        out_dtype = dtype if t.is_floating_point() else t.dtype
+        shape = tuple(int(s) for s in t.shape)
+        nbytes = out_dtype.itemsize * (int(torch.Size(shape).numel()))
+        items.append(_Item(name, t.detach(), shape, out_dtype, nbytes, _is_row_sharded(t, world)))
+    return items
+
+
+def _plan(items: list[_Item], world: int, bucket_bytes: int) -> list[list[_Item]]:
+    """Fill in owners and per-rank rows; return the sharded items grouped into exchange buckets."""
+    for item, owner in zip(items, assign_owners([it.nbytes for it in items], world), strict=True):
+        item.owner = owner
+    sharded = [it for it in items if it.sharded]
+    local_rows = [it.tensor.to_local().shape[0] for it in sharded]  # type: ignore[attr-defined]
+    all_rows = tdist.all_gather_object(local_rows)
+    for i, it in enumerate(sharded):
+        it.rows = [all_rows[r][i] for r in range(world)]
+        if sum(it.rows) != it.shape[0]:
+            raise WeightsError(f"publish: shards of {it.name} have {it.rows} rows, expected {it.shape[0]}")
+    buckets: list[list[_Item]] = []
+    size = 0
+    for it in sharded:
+        if not buckets or size + it.nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(it)
+        size += it.nbytes
+    return buckets
+
+
+def _as_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).contiguous().reshape(-1).view(torch.uint8)
+
+
+def _header(items: list[_Item]) -> bytes:
+    """A safetensors header for ``items`` laid out back to back in this order (padded to 8 bytes)."""
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for it in items:
+        if it.dtype not in _ST_DTYPES:
+            raise WeightsError(f"publish: {it.name} has dtype {it.dtype}, which safetensors cannot store")
+        meta[it.name] = {
+            "dtype": _ST_DTYPES[it.dtype],
+            "shape": list(it.shape),
+            "data_offsets": [offset, offset + it.nbytes],
+        }
+        offset += it.nbytes
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class _StreamWriter:
+    """Appends byte blocks to one file from a writer thread while a second thread hashes them (both drop the GIL)."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._sha = hashlib.sha256()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="publish-write")
+        self._hash = ThreadPoolExecutor(1, thread_name_prefix="publish-hash")
+        self._pending: list[Future[Any]] = []
+
+    def append(self, block: torch.Tensor | bytes) -> list[Future[Any]]:
+        """Queue ``block`` (bytes, or a contiguous uint8 CPU tensor kept unchanged until the futures are done)."""
+        data = block.numpy().data if isinstance(block, torch.Tensor) else memoryview(block)
+        futures: list[Future[Any]] = [self._hash.submit(self._sha.update, data)]
+        for start in range(0, len(data), _WRITE_BLOCK):
+            futures.append(self._io.submit(self._file.write, data[start : start + _WRITE_BLOCK]))
+        self._pending.extend(futures)
+        return futures
+
+    def close(self) -> str:
+        """Wait for every block, fsync, close; return the file's sha256."""
+        try:
+            for f in self._pending:
+                f.result()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._io.shutdown()
+            self._hash.shutdown()
+            self._file.close()
+        return self._sha.hexdigest()
+
+
+class _HostStaging:
+    """Device -> host copies of exchanged buckets; on GPU through two reused pinned buffers (pageable copies are
+    ~30x slower), so bucket k is written from one buffer while bucket k + 1 lands in the other."""
+
+    def __init__(self, device: torch.device, max_bytes: int):
+        self.cuda = device.type == "cuda"
+        self._waits: list[list[Future[Any]]] = [[], []]
+        self._slot = 0
+        if self.cuda and max_bytes > 0:
+            cache = _PINNED
+            if len(cache) < 2 or cache[0].numel() < max_bytes:
+                cache[:] = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+
+    def to_host(self, block: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if not self.cuda:
+            return block, -1
+        slot, self._slot = self._slot, 1 - self._slot
+        for f in self._waits[slot]:
+            f.result()
+        host = _PINNED[slot][: block.numel()]
+        host.copy_(block, non_blocking=True)
+        torch.cuda.current_stream(block.device).synchronize()
+        return host, slot
+
+    def track(self, slot: int, futures: list[Future[Any]]) -> None:
+        if slot >= 0:
+            self._waits[slot] = futures
+
+
+def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) -> torch.Tensor:
+    """One all_to_all: every rank sends its rows of each tensor to the tensor's owner.  Returns this rank's owned
+    tensors of the bucket, whole and back to back in bucket order, as uint8 on ``device``."""
+    by_dst: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for it in bucket:
+        by_dst[it.owner].append(_as_bytes(it.tensor.to_local(), it.dtype))  # type: ignore[attr-defined]
+    in_splits = [sum(b.numel() for b in blocks) for blocks in by_dst]
+    mine = [it for it in bucket if it.owner == me]
+    out_splits = [sum(it.rows[src] * it.row_bytes for it in mine) for src in range(world)]
+    send = torch.cat([b for blocks in by_dst for b in blocks]) if any(in_splits) else None
+    if world == 1:
+        recv = send if send is not None else torch.empty(0, dtype=torch.uint8, device=device)
+    else:
+        if send is None:
+            send = torch.empty(0, dtype=torch.uint8, device=device)
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(recv, send, out_splits, in_splits)
+    if not mine:
+        return recv
+    # recv is grouped by source rank; a tensor's rows are its pieces from rank 0, 1, ... in that order.
+    pieces: list[list[torch.Tensor]] = []
+    for src, part in enumerate(recv.split(out_splits)):
+        pieces.append(list(part.split([it.rows[src] * it.row_bytes for it in mine])))
+    return torch.cat([pieces[src][j] for j in range(len(mine)) for src in range(world)])
+
+
+def _write_rank_file(
+    items: list[_Item], buckets: list[list[_Item]], path: Path, device: torch.device
+) -> str | None:
+    """Gather this rank's tensors and stream them into ``path``; its sha256, or None when it owns nothing.
+
+    Every rank runs the same sequence of collectives, owner or not.
+    """
+    me, world = tdist.rank(), tdist.world()
+    loose = [it for it in items if not it.sharded]
+    order = [it for it in loose if it.owner == me] + [it for b in buckets for it in b if it.owner == me]
+    writer = _StreamWriter(path) if order else None
+    if writer is not None:
+        writer.append(_header(order))
+    for it in loose:  # plain tensors (every rank holds them) and DTensors of another layout: rare and small
+        t = it.tensor
+        full = cast(DTensor, t.to(it.dtype)).full_tensor() if isinstance(t, DTensor) else t
+        if writer is not None and it.owner == me:
+            writer.append(_as_bytes(full, it.dtype).cpu())
+    max_bytes = max((sum(it.nbytes for it in b if it.owner == me) for b in buckets), default=0)
+    staging = _HostStaging(device, max_bytes)
+    for bucket in buckets:
+        block = _exchange(bucket, me, world, device)
+        if writer is not None and block.numel():
+            host, slot = staging.to_host(block)
+            staging.track(slot, writer.append(host))
+    return writer.close() if writer is not None else None
+
+
+def _fresh_staging(layout: RunLayout, version: int) -> Path:
+    """The staging directory, emptied by rank 0 (a publisher that died may have left files of another world size)."""
+    error = None
+    if tdist.is_main():
+        if layout.weight_version(version).exists():
+            error = f"{layout.weight_version(version)}: version {version} is already published"
+        else:
+            d = staging_dir(layout, version)
+            if any(d.iterdir()):
+                shutil.rmtree(d)
+    error = tdist.broadcast_object(error)
+    if error:
+        raise WeightsError(error)
+    tdist.barrier()
+    return staging_dir(layout, version)
+
+
+def _write_metadata(staging: Path, items: list[_Item], world: int, dtype: str, src_model_dir: Path) -> None:
+    """Rank 0: index (weight_map), config.json with the publish dtype, generation config and tokenizer files."""
+    weight_map = {it.name: shard_file_name(it.owner, world) for it in items}
+    index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": weight_map}
+    (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    src = Path(src_model_dir)
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except FileNotFoundError:
+        raise WeightsError(
+            f"{src / 'config.json'}: missing; src_model_dir must be the HF base model"
+        ) from None
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in sorted(src.iterdir()):
+        skip = f.name.startswith(".") or f.name in _SKIP_NAMES or f.name.endswith(_SKIP_SUFFIXES)
+        if f.is_file() and not skip:
+            shutil.copyfile(f, staging / f.name)
+
+
+def publish_weights(
+    model: nn.Module,
+    layout: RunLayout,
+    version: int,
+    step: int,
+    *,
+    dtype: str,
+    tied: bool,
+    src_model_dir: Path,
+    bucket_bytes: int = 512 << 20,
+) -> None:
+    """Publish ``model`` (an ``Actor`` or HF model, FSDP2-sharded or not) as weight version ``version``.
+
+    Collective: call on every rank.  ``dtype`` is the publish dtype (float32, bfloat16, float16); ``tied`` drops the
+    ``lm_head.weight`` alias; ``src_model_dir`` is the base model whose config and tokenizer files ride along.
+    Returns once LATEST points at the new version on every rank.
+    """
+    if dtype not in PUBLISH_DTYPES:
+        raise WeightsError(f"publish dtype {dtype!r} is not one of {', '.join(PUBLISH_DTYPES)}")
+    world, me = tdist.world(), tdist.rank()
+    device = tdist.current_device()
+    reshard(model)  # parameters must be the sharded DTensors, not a root's gathered copies
+    with torch.no_grad():
+        items = _collect(model, PUBLISH_DTYPES[dtype], tied, world)
+        buckets = _plan(items, world, bucket_bytes)
+        staging = _fresh_staging(layout, version)
+        sha = _write_rank_file(items, buckets, staging / shard_file_name(me, world), device)
+    digests = tdist.all_gather_object(sha)  # also the point where every rank's file is closed and fsynced
+    if me == 0:
+        _write_metadata(staging, items, world, dtype, src_model_dir)
+        known = {shard_file_name(r, world): d for r, d in enumerate(digests) if d is not None}
+        commit_version(layout, version, staging, step=step, dtype=dtype, file_sha256=known)
+    tdist.barrier()
