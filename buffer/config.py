@@ -61,6 +61,9 @@ class ModelConfig(_Section):
     vocab_size: int | None = Field(
         None, ge=1, description="Filled in by `shardrl init` from the model config."
     )
+    tiny_init_std: float = Field(
+        0.02, gt=0, description="Initializer std of the built-in tiny model (`tiny` / `tiny-tied` only)."
+    )
 
 
 class DataConfig(_Section):
@@ -202,11 +205,11 @@ class TrainerConfig(_Section):
     schedule: Literal["constant", "cosine"] = Field("constant", description="LR schedule after warmup.")
     total_steps: int = Field(1000, ge=1, description="Horizon of the cosine schedule.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    samples_per_step: int = Field(
-        256, ge=1, description="Samples consumed per training step (whole groups)."
-    )
+    samples_per_step: int = Field(256, ge=1, description="Samples consumed per training step (whole groups).")
     updates_per_step: int = Field(
-        1, ge=1, description="Optimizer updates per step (the step's samples split into this many mini-batches)."
+        1,
+        ge=1,
+        description="Optimizer updates per step (the step's samples split into this many mini-batches).",
     )
     max_tokens_per_microbatch: int = Field(8192, ge=16, description="Token budget of one micro-batch.")
     max_staleness: int = Field(

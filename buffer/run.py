@@ -77,7 +77,12 @@ def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
         from .tiny_model import build_tiny_model
 
         layout.root.mkdir(parents=True, exist_ok=True)
-        build_tiny_model(layout.base_model, tied=cfg.model.path == "tiny-tied", seed=cfg.run.seed)
+        build_tiny_model(
+            layout.base_model,
+            tied=cfg.model.path == "tiny-tied",
+            seed=cfg.run.seed,
+            init_std=cfg.model.tiny_init_std,
+        )
     cfg = _with_model_facts(layout, cfg)
     resolved = cfg.model_dump(mode="json")
     existing = read_json_or_none(layout.config_json)

@@ -131,11 +131,12 @@ def _as_qwen2_tokenizer(tok):  # tokenizers.Tokenizer -> transformers.Qwen2Token
     )
 
 
-def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0) -> Path:
+def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0, init_std: float = INIT_STD) -> Path:
     """Build the tiny model and tokenizer into ``out`` (HF format, float32) and return ``out``.
 
     Deterministic: the same ``seed`` and ``tied`` give the same files.  The directory appears complete or not at all
-    (built beside it, then renamed); an existing non-empty ``out`` is an error.
+    (built beside it, then renamed); an existing non-empty ``out`` is an error.  ``init_std`` is the initializer
+    range: the wide default suits tests; training from scratch (the demo) learns better from the usual 0.02.
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -156,7 +157,7 @@ def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0) -> Path:
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=MAX_POSITIONS,
-        initializer_range=INIT_STD,
+        initializer_range=init_std,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=tied,
         bos_token_id=eos_id,
