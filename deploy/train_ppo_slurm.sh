@@ -25,13 +25,16 @@ fi
 TRAIN=$(IFS=,; echo "${NODES[*]:0:$TRAIN_NODES}")
 ROLL=$(IFS=,; echo "${NODES[*]:$TRAIN_NODES}")
 HEAD=${NODES[0]}
+# Rendezvous on the first node's address as Slurm knows it (node names need not resolve in DNS).
+HEAD_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+HEAD_ADDR=${HEAD_ADDR:-$HEAD}
 PORT=$((29500 + SLURM_JOB_ID % 1000))
 NPROC=${SLURM_GPUS_ON_NODE:-1}
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || NPROC=${SHARDRL_CPU_RANKS:-1}
 
 srun --nodes="$TRAIN_NODES" --nodelist="$TRAIN" --ntasks-per-node=1 --output="$RUN/logs/trainer-%j-%N.log" \
     "$PYTHON" -m torch.distributed.run --nnodes="$TRAIN_NODES" --nproc_per_node="$NPROC" \
-    --rdzv_backend=c10d --rdzv_endpoint="$HEAD:$PORT" --rdzv_id="$SLURM_JOB_ID" -m trainer --run-dir "$RUN" &
+    --rdzv_backend=c10d --rdzv_endpoint="$HEAD_ADDR:$PORT" --rdzv_id="$SLURM_JOB_ID" -m trainer --run-dir "$RUN" &
 train=$!
 srun --nodes=$(( ${#NODES[@]} - TRAIN_NODES )) --nodelist="$ROLL" --ntasks-per-node=1 \
     --output="$RUN/logs/rollout-%j-%N.log" "$PYTHON" -m rollout_worker --run "$RUN" "$@" &

@@ -23,6 +23,9 @@ mkdir -p "$RUN/logs"
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 HEAD=${NODES[0]}
+# Rendezvous on the first node's address as Slurm knows it (node names need not resolve in DNS).
+HEAD_ADDR=$(scontrol show node "$HEAD" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+HEAD_ADDR=${HEAD_ADDR:-$HEAD}
 PORT=$((29500 + SLURM_JOB_ID % 1000))
 # Ranks per node = GPUs Slurm gave each node; a CPU-only allocation runs SHARDRL_CPU_RANKS (default 1) gloo ranks.
 if [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "${SLURM_GPUS_ON_NODE}" -gt 0 ] 2>/dev/null; then
@@ -35,11 +38,11 @@ fi
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     NPROC=${SHARDRL_CPU_RANKS:-1}
 fi
-echo "trainer job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): ${#NODES[@]} node(s) x $NPROC rank(s), rendezvous $HEAD:$PORT"
+echo "trainer job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): ${#NODES[@]} node(s) x $NPROC rank(s), rendezvous $HEAD_ADDR:$PORT"
 
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$RUN/logs/trainer-%j-%N.log" --open-mode=append \
     "$PYTHON" -m torch.distributed.run --nnodes="${#NODES[@]}" --nproc_per_node="$NPROC" \
-    --rdzv_backend=c10d --rdzv_endpoint="$HEAD:$PORT" --rdzv_id="$SLURM_JOB_ID" \
+    --rdzv_backend=c10d --rdzv_endpoint="$HEAD_ADDR:$PORT" --rdzv_id="$SLURM_JOB_ID" \
     -m trainer --run-dir "$RUN" "$@" &
 step=$!
 forward() { kill -TERM "$step" 2>/dev/null || true; wait "$step" || true; exit 0; }

@@ -1,0 +1,527 @@
+"""The node supervisor: one per node, it keeps as many rollout workers running here as the run wants and the node holds.
+
+Run as ``shardrl-rollout --run RUN`` (``python -m rollout_worker``); ``deploy/rollout_only.sh`` starts one per node.
+Each tick it
+  * polls control.json through ``ControlWatcher`` (every ``run.control_poll_s``; an inotify watch on the run
+    directory only wakes it early, since inotify never sees writes made by other NFS/Lustre clients) and reads the
+    desired worker count;
+  * leases free worker slots ``0 .. desired-1`` (lowest first) up to its local capacity and starts one worker process
+    per slot, ``python -m rollout_worker.worker``, in its own process group, on its own GPU (``CUDA_VISIBLE_DEVICES``)
+    or CPU cores;
+  * renews its leases every ``run.heartbeat_interval_s``; a slot whose lease another supervisor took over (we looked
+    dead) has its worker stopped;
+  * drains workers of slots >= desired (SIGTERM, SIGKILL at ``rollout.drain_deadline_s``) and releases their leases
+    once they exited;
+  * restarts a worker that died, after ``rollout.restart_backoff_s`` doubling; ``rollout.max_restarts`` restarts within
+    ``rollout.restart_window_s`` (or one exit with code 2, a configuration error no restart can fix) mark the worker
+    failed in its status record and give its slot back for another node.  This node then leaves that slot alone for
+    ``restart_window_s``.
+SIGTERM/SIGINT (Slurm time limit, preemption, Ctrl-C) drains every worker within ``rollout.drain_deadline_s`` and
+exits 0; a second signal kills the workers at once.  Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from buffer.config import ShardRLConfig
+from buffer.control import ControlState, ControlWatcher, Leases
+from buffer.fsio import HOST, read_json_or_none
+from buffer.heartbeats import StatusWriter, supervisor_status, worker_status
+from buffer.layout import RunLayout
+from buffer.run import Run
+from rollout_worker.engines import resolve_kind
+from rollout_worker.worker import EXIT_USER, worker_id_for
+
+log = logging.getLogger("shardrl.supervisor")
+
+
+# ---------------------------------------------------------------------------------------------- local devices
+
+
+def visible_gpus() -> list[str]:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else what ``nvidia-smi -L`` lists."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and not d.strip().startswith("-")]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, _ in enumerate(ln for ln in out.stdout.splitlines() if ln.startswith("GPU "))]
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Where the workers of this node run: one GPU group each, or a share of the CPU cores."""
+
+    capacity: int
+    gpu_groups: list[str]  # CUDA_VISIBLE_DEVICES value per GPU group; empty on a CPU node
+    cores: list[int]
+    threads: int | None  # OMP threads per worker (always set on a CPU node)
+
+    def env(self, local: int, base: dict[str, str]) -> dict[str, str]:
+        env = dict(base)
+        if self.gpu_groups:
+            # more slots than GPU groups (an explicit --max-local-workers) share GPUs round-robin
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu_groups[local % len(self.gpu_groups)]
+            if self.threads:
+                env["OMP_NUM_THREADS"] = str(self.threads)
+            return env
+        threads, n = self.threads or 1, len(self.cores)
+        mine = sorted({self.cores[(local * threads + k) % n] for k in range(threads)})
+        env["OMP_NUM_THREADS"] = str(len(mine))
+        # vLLM's CPU backend pins its OpenMP threads here; the engine module leaves a value already set alone
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, mine)))
+        return env
+
+
+def local_devices(cfg: ShardRLConfig) -> Devices:
+    """Capacity = ``rollout.max_local_workers`` when set, else one worker per GPU group, else ``cpu_workers``."""
+    r = cfg.rollout
+    gpus = visible_gpus()
+    tp = r.vllm.tensor_parallel_size if resolve_kind(r.engine) == "vllm" else 1
+    groups = [",".join(gpus[i : i + tp]) for i in range(0, len(gpus) - tp + 1, tp)]
+    capacity = r.max_local_workers if r.max_local_workers is not None else (len(groups) or r.cpu_workers)
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = list(range(os.cpu_count() or 1))
+    threads = r.threads_per_worker
+    if not groups and threads is None:
+        threads = max(1, len(cores) // max(capacity, 1))
+    return Devices(capacity, groups, cores, threads)
+
+
+def worker_log(layout: RunLayout, worker_id: str) -> Path:
+    """Where this node's incarnations of a worker write their output (appended; one file per worker and host)."""
+    return layout.logs / f"rollout-{worker_id}-{HOST}.log"
+
+
+# ---------------------------------------------------------------------------------------------- one slot
+
+
+@dataclass
+class Slot:
+    slot: int
+    local: int  # index of the local device group
+    worker_id: str
+    proc: subprocess.Popen | None = None
+    restarts: collections.deque[float] = field(default_factory=collections.deque)
+    restart_at: float | None = None  # a dead worker waits for its backoff
+    kill_at: float | None = None  # set while draining: SIGKILL at this time
+    lease_lost: bool = False
+
+    @property
+    def draining(self) -> bool:
+        return self.kill_at is not None
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal a worker's process group: the worker and whatever its engine spawned."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _last_line(path: Path, limit: int = 65536) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1][:500] if lines else None
+
+
+# ---------------------------------------------------------------------------------------------- the supervisor
+
+
+class Supervisor:
+    def __init__(self, run: Run, overrides: dict[str, str]):
+        self.run = run
+        self.cfg = run.config
+        self.layout = run.layout
+        self.overrides = overrides
+        self.id = f"{HOST}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.devices = local_devices(self.cfg)
+        self.watcher = ControlWatcher(
+            self.layout, self.cfg.run.max_workers, self.cfg.run.control_settle_s, self.id
+        )
+        self.leases = Leases(self.layout, self.id, self.cfg.run.lease_timeout_s)
+        self.status: StatusWriter = supervisor_status(self.layout, self.id, capacity=self.devices.capacity)
+        self.slots: dict[int, Slot] = {}
+        self.cooldown: dict[int, float] = {}  # slots this node gave up on, until when
+        self.failed: dict[int, str] = {}
+        self.desired = 0
+        self.control_generation = -1
+        self.last_rejection: str | None = None
+        self.stopping = False
+        self.deadline = math.inf
+        self._signals = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._observer: Any = None
+
+    # ------------------------------------------------------------------ wake-ups and signals
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _sleep(self, seconds: float) -> None:
+        ready, _, _ = select.select([self._wake_r], [], [], max(seconds, 0.0))
+        if ready:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self._wake_r, 4096)
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        # Only flags and a pipe write here: the loop does the work.
+        self._signals += 1
+        self.wake()
+
+    def _watch_control_file(self) -> None:
+        """inotify on the run directory, as a hint: same-node writes of control.json wake the loop at once."""
+        try:
+            from watchdog.events import FileSystemEvent, FileSystemEventHandler
+            from watchdog.observers import Observer
+
+            control = str(self.layout.control_file)
+            sup = self
+
+            class Hint(FileSystemEventHandler):
+                def on_any_event(self, event: FileSystemEvent) -> None:
+                    if control in (str(event.src_path), str(getattr(event, "dest_path", ""))):
+                        sup.wake()
+
+            observer = Observer()
+            observer.schedule(Hint(), str(self.layout.root), recursive=False)
+            observer.daemon = True
+            observer.start()
+            self._observer = observer
+        except Exception as e:  # no inotify (limits, platform): polling alone is authoritative anyway
+            log.info("supervisor %s: no inotify hint (%s); polling only", self.id, e)
+
+    # ------------------------------------------------------------------ control and leases
+
+    def _poll_control(self) -> None:
+        try:
+            state: ControlState = self.watcher.poll()
+        except OSError as e:  # a flaky mount: keep the last desired count
+            log.warning(
+                "supervisor %s: control poll failed (%s); keeping desired %d", self.id, e, self.desired
+            )
+            return
+        first = self.control_generation < 0
+        if state.desired != self.desired:
+            log.info("supervisor %s: desired workers %d -> %d", self.id, self.desired, state.desired)
+        self.desired, self.control_generation = state.desired, state.generation
+        reason = (state.last_rejection or {}).get("reason")
+        if reason and reason != self.last_rejection and not first:
+            log.warning("supervisor %s: control.json rejected (workers unchanged): %s", self.id, reason)
+        self.last_rejection = reason
+
+    def _renew(self) -> None:
+        for s in list(self.slots.values()):
+            try:
+                ok = self.leases.renew(s.slot)
+            except OSError as e:
+                log.warning("supervisor %s: renewing slot %d failed (%s); retrying", self.id, s.slot, e)
+                continue
+            if not ok and not s.lease_lost:
+                log.warning(
+                    "supervisor %s: lost the lease of slot %d; stopping %s", self.id, s.slot, s.worker_id
+                )
+                s.lease_lost = True
+                self._stop(s)
+
+    def _acquire(self) -> None:
+        now = time.monotonic()
+        for slot in range(self.desired):
+            if len(self.slots) >= self.devices.capacity:
+                return
+            if slot in self.slots or self.cooldown.get(slot, 0.0) > now:
+                continue
+            try:
+                before = self.leases.read(slot)
+                acquired = self.leases.try_acquire(slot)
+            except OSError as e:
+                log.warning("supervisor %s: lease of slot %d: %s", self.id, slot, e)
+                continue
+            if acquired:
+                if before is not None and before.get("holder") != self.id:
+                    log.warning(
+                        "supervisor %s: took over slot %d from %s (lease not renewed for %gs)",
+                        self.id,
+                        slot,
+                        before.get("holder"),
+                        self.cfg.run.lease_timeout_s,
+                    )
+                used = {s.local for s in self.slots.values()}
+                local = min(i for i in range(self.devices.capacity) if i not in used)
+                self.slots[slot] = s = Slot(slot, local, worker_id_for(slot))
+                self.failed.pop(slot, None)
+                self._spawn(s)
+
+    # ------------------------------------------------------------------ worker processes
+
+    def _spawn(self, s: Slot) -> None:
+        args = [a for k, v in self.overrides.items() for a in (f"--{k}", v)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollout_worker.worker",
+            "--run",
+            str(self.layout.root),
+            "--slot",
+            str(s.slot),
+            "--worker-id",
+            s.worker_id,
+            "--supervisor",
+            self.id,
+            "--parent-pid",
+            str(os.getpid()),
+            *args,
+        ]
+        env = self.devices.env(s.local, dict(os.environ))
+        env["PYTHONUNBUFFERED"] = "1"
+        self.layout.logs.mkdir(parents=True, exist_ok=True)
+        with open(self._log_path(s), "ab") as logf:
+            logf.write(f"\n=== {time.strftime('%F %T')} {s.worker_id} started by {self.id}\n".encode())
+            logf.flush()
+            # its own session: a terminal's Ctrl-C reaches the supervisor, which drains the workers in order
+            s.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        s.restart_at = None
+        where = env.get("CUDA_VISIBLE_DEVICES") or f"cpu {env.get('VLLM_CPU_OMP_THREADS_BIND', '')}"
+        log.info(
+            "supervisor %s: started %s (slot %d, pid %d, %s)", self.id, s.worker_id, s.slot, s.proc.pid, where
+        )
+
+    def _log_path(self, s: Slot) -> Path:
+        return worker_log(self.layout, s.worker_id)
+
+    def _stop(self, s: Slot, deadline: float | None = None) -> None:
+        """Ask a worker to drain (SIGTERM); it is killed at the deadline.  A worker waiting for a restart just goes."""
+        if s.draining and deadline is None:
+            return
+        s.kill_at = deadline if deadline is not None else time.monotonic() + self.cfg.rollout.drain_deadline_s
+        if s.proc is not None:
+            _signal_group(s.proc, signal.SIGTERM)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for s in list(self.slots.values()):
+            if s.proc is not None and s.proc.poll() is None:
+                if s.kill_at is not None and now >= s.kill_at:
+                    log.warning("supervisor %s: %s did not drain in time; killing it", self.id, s.worker_id)
+                    _signal_group(s.proc, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        s.proc.wait(timeout=2.0)
+                continue
+            if s.proc is not None:
+                rc = s.proc.returncode
+                _signal_group(s.proc, signal.SIGKILL)  # leftovers of its engine, if any
+                pid, s.proc = s.proc.pid, None
+                if not s.draining:
+                    self._on_death(s, pid, rc)
+                    continue
+                log.info("supervisor %s: %s exited (%s)", self.id, s.worker_id, rc)
+            if s.draining:
+                self._drop(s)
+            elif s.restart_at is not None and now >= s.restart_at and not self.stopping:
+                self._spawn(s)
+
+    def _on_death(self, s: Slot, pid: int, rc: int | None) -> None:
+        now = time.monotonic()
+        if rc is not None and rc < 0:
+            error = f"killed by {signal.Signals(-rc).name}"
+        else:
+            error = self._last_error(s, pid) or f"exit code {rc}"
+        window = self.cfg.rollout.restart_window_s
+        while s.restarts and now - s.restarts[0] > window:
+            s.restarts.popleft()
+        if rc == EXIT_USER or len(s.restarts) >= self.cfg.rollout.max_restarts:
+            why = (
+                "a configuration error"
+                if rc == EXIT_USER
+                else f"{len(s.restarts)} restarts within {window:g}s"
+            )
+            self._fail(s, error, why)
+            return
+        delay = self.cfg.rollout.restart_backoff_s * 2 ** len(s.restarts)
+        s.restarts.append(now + delay)
+        s.restart_at = now + delay
+        log.warning(
+            "supervisor %s: %s (pid %d) died with exit code %s: %s; restart in %.1fs",
+            self.id,
+            s.worker_id,
+            pid,
+            rc,
+            error,
+            delay,
+        )
+
+    def _last_error(self, s: Slot, pid: int) -> str | None:
+        rec = read_json_or_none(self.layout.worker_status(s.worker_id))
+        # the worker's own record of this very process, when it got to write one
+        if isinstance(rec, dict) and (rec.get("pid"), rec.get("host"), rec.get("state")) == (
+            pid,
+            HOST,
+            "failed",
+        ):
+            return str(rec.get("last_error") or "") or None
+        return _last_line(self._log_path(s))
+
+    def _fail(self, s: Slot, error: str, why: str) -> None:
+        """Give up on this worker: failed in its status record, slot released for another node."""
+        log.error(
+            "supervisor %s: %s failed (%s): %s; releasing slot %d", self.id, s.worker_id, why, error, s.slot
+        )
+        rec = read_json_or_none(self.layout.worker_status(s.worker_id))
+        keep = {k: v for k, v in (rec or {}).items() if k not in ("host", "pid", "beat", "updated_at", "id")}
+        keep.update(slot=s.slot, supervisor=self.id)
+        with contextlib.suppress(OSError):
+            worker_status(self.layout, s.worker_id, **keep).update(
+                state="failed", last_error=error, gave_up=why
+            )
+        self.failed[s.slot] = error
+        self.cooldown[s.slot] = time.monotonic() + self.cfg.rollout.restart_window_s
+        self._drop(s)
+
+    def _drop(self, s: Slot) -> None:
+        if not s.lease_lost:
+            with contextlib.suppress(OSError):
+                self.leases.release(s.slot)
+        self.slots.pop(s.slot, None)
+
+    def _scale_down(self) -> None:
+        for s in sorted(self.slots.values(), key=lambda s: -s.slot):
+            if s.slot >= self.desired and not s.draining:
+                log.info("supervisor %s: scaling down: draining %s (slot %d)", self.id, s.worker_id, s.slot)
+                self._stop(s)
+
+    # ------------------------------------------------------------------ status
+
+    def _write_status(self, state: str) -> None:
+        workers = {
+            str(s.slot): {
+                "worker_id": s.worker_id,
+                "pid": s.proc.pid if s.proc is not None else None,
+                "state": "draining" if s.draining else ("running" if s.proc is not None else "restarting"),
+                "restarts": len(s.restarts),
+                "device": self.devices.gpu_groups[s.local % len(self.devices.gpu_groups)]
+                if self.devices.gpu_groups
+                else "cpu",
+            }
+            for s in self.slots.values()
+        }
+        with contextlib.suppress(OSError):
+            self.status.update(
+                state=state,
+                slots=sorted(self.slots),
+                capacity=self.devices.capacity,
+                desired=self.desired,
+                workers=workers,
+                failed_slots={str(k): v for k, v in self.failed.items()},
+                control_generation=self.control_generation,
+            )
+
+    # ------------------------------------------------------------------ main loop
+
+    def serve(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.on_signal)
+        self._watch_control_file()
+        r = self.run.config.run
+        log.info(
+            "supervisor %s: run %s, capacity %d (%s)",
+            self.id,
+            self.layout.root,
+            self.devices.capacity,
+            f"GPUs {self.devices.gpu_groups}"
+            if self.devices.gpu_groups
+            else f"cpu, {self.devices.threads} threads each",
+        )
+        self._write_status("starting")
+        next_control = next_beat = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if self._signals and not self.stopping:
+                    self._begin_shutdown()
+                elif self._signals > 1 and self.deadline > now:
+                    log.warning("supervisor %s: second signal: killing workers now", self.id)
+                    self.deadline = now
+                    for s in self.slots.values():
+                        s.kill_at = now
+                if now >= next_beat:
+                    self._renew()
+                    self._write_status("draining" if self.stopping else "running")
+                    next_beat = now + r.heartbeat_interval_s
+                if not self.stopping and now >= next_control:
+                    self._poll_control()
+                    self._scale_down()
+                    self._acquire()
+                    next_control = now + r.control_poll_s
+                self._reap()
+                if self.stopping and not self.slots:
+                    break
+                self._sleep(min(0.2, max(0.0, min(next_beat, next_control) - time.monotonic())))
+        finally:
+            self._kill_all()
+            self._write_status("stopped")
+            if self._observer is not None:
+                with contextlib.suppress(Exception):
+                    self._observer.stop()
+        log.info("supervisor %s: stopped", self.id)
+        return 0
+
+    def _begin_shutdown(self) -> None:
+        """Drain everything: SIGTERM now, SIGKILL a little before the deadline so that cleanup still fits in it."""
+        self.stopping = True
+        budget = self.cfg.rollout.drain_deadline_s
+        self.deadline = time.monotonic() + budget
+        kill_at = self.deadline - min(2.0, 0.25 * budget)
+        log.info(
+            "supervisor %s: signal received: draining %d worker(s) within %gs",
+            self.id,
+            len(self.slots),
+            budget,
+        )
+        for s in self.slots.values():
+            self._stop(s, min(kill_at, s.kill_at or math.inf))
+
+    def _kill_all(self) -> None:
+        """Last resort and normal end alike: no worker process outlives the supervisor; leases go back."""
+        for s in list(self.slots.values()):
+            if s.proc is not None and s.proc.poll() is None:
+                _signal_group(s.proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    s.proc.wait(timeout=2.0)
+            if s.proc is not None:
+                _signal_group(s.proc, signal.SIGKILL)
+            self._drop(s)
+
+
+def run_supervisor(run: Run, overrides: dict[str, str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    return Supervisor(run, overrides).serve()

@@ -1,0 +1,131 @@
+"""Shared pieces of the rollout worker and supervisor tests: runs, processes, shards, reference logprobs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pyarrow as pa
+
+from buffer import heartbeats, shards
+from buffer.config import ShardRLConfig
+from buffer.run import Run, init_run
+
+ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def make_run(root: Path, model_dir: Path, **sections: dict[str, Any]) -> Run:
+    """A run on ``model_dir`` whose config is the defaults updated section by section (one level deep)."""
+    data: dict[str, Any] = {"model": {"path": str(model_dir)}}
+    for name, values in sections.items():
+        sub = dict(values)
+        for k, v in list(sub.items()):
+            if isinstance(v, dict):
+                sub[k] = dict(v)
+        data.setdefault(name, {}).update(sub)
+    return init_run(root, ShardRLConfig.model_validate(data))
+
+
+def wait_for(what: str, fn: Callable[[], T | None], timeout: float, every: float = 0.2) -> T:
+    end = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A rollout process (``python -m ...``) from the repository root in its own process group, output in ``log``."""
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", *args],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+        )
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, which only awaits its parent's wait(), counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the direct children of ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append((int(d.name), cmd))
+    return out
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
+    """Stop a test's process if it still runs (SIGTERM, then SIGKILL), and anything left in its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode
+
+
+def worker(run: Run, worker_id: str) -> dict[str, Any]:
+    return next((w for w in heartbeats.read_workers(run.layout) if w.get("id") == worker_id), {})
+
+
+def ready_rows(run: Run) -> list[dict[str, Any]]:
+    """Every sample of every ready shard, each shard fully validated on the way."""
+    rows: list[dict[str, Any]] = []
+    for s in shards.list_ready(run.layout):
+        table: pa.Table = shards.read_shard(run.layout.ready_shard(s.name), run.config.model.vocab_size)
+        rows.extend(table.to_pylist())
+    return rows
+
+
+def assert_ready_shards_valid(run: Run, group_size: int) -> int:
+    """Every file in shards/ready is a valid shard of whole groups; returns the sample count."""
+    names = sorted(os.listdir(run.layout.shards_ready))
+    total = 0
+    for name in names:
+        table = shards.read_shard(run.layout.ready_shard(name), run.config.model.vocab_size)
+        groups: dict[str, int] = {}
+        for gid in table.column("group_id").to_pylist():
+            groups[gid] = groups.get(gid, 0) + 1
+        assert set(groups.values()) == {group_size}, f"{name}: partial group {groups}"
+        total += table.num_rows
+    return total

@@ -1,0 +1,395 @@
+"""Node supervisors with real worker processes (transformers engine, tiny model) on one run directory.
+
+Elastic scale through ``echo ... > RUN/control.json``, a rejected command that disturbs nobody, scale-down draining
+the highest slot, a SIGKILLed worker restarted, SIGTERM draining everything within the deadline with no partial
+shard and no orphan process; two supervisors splitting the desired count without overlap, pausing at the backlog
+bound, and one taking over the other's slots after it was SIGKILLed; a crash loop giving the slot up; and the
+one-line errors of a bad prompts file, a missing model and an unknown reward function.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from buffer import control, heartbeats, shards
+from buffer.fsio import write_json_atomic
+from buffer.run import Run
+from buffer.status import snapshot
+from rollout_worker.supervisor import worker_log
+
+from ._rollout_helpers import (
+    ROOT,
+    alive,
+    assert_ready_shards_valid,
+    make_run,
+    spawn,
+    stop,
+    tail,
+    wait_for,
+    worker,
+)
+
+N = 2
+DRAIN_S = 10.0
+LIVE = ("running", "paused")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_untied: Path) -> Path:
+    return Path(tiny_model_untied)
+
+
+def _run(root: Path, model: Path, *, run: dict[str, Any] | None = None, **sections: dict[str, Any]) -> Run:
+    rollout = {
+        "engine": "hf",
+        "prompts_per_batch": 2,
+        "shard_samples": 8,
+        "flush_interval_s": 0.5,
+        "weights_poll_s": 0.5,
+        "threads_per_worker": 1,
+        "drain_deadline_s": DRAIN_S,
+        "restart_backoff_s": 0.5,
+        "max_backlog_samples": 1_000_000,
+        "sampling": {"n": N, "max_response_length": 4},
+        **sections.pop("rollout", {}),
+    }
+    base_run = {
+        "heartbeat_interval_s": 0.5,
+        "control_poll_s": 0.3,
+        "lease_timeout_s": 3.0,
+        "control_settle_s": 0.5,
+        **(run or {}),
+    }
+    return make_run(root, model, run=base_run, rollout=rollout, **sections)
+
+
+def _supervise(run: Run, capacity: int, log: Path) -> subprocess.Popen:
+    return spawn(["rollout_worker", "--run", str(run.layout.root), "--max-local-workers", str(capacity)], log)
+
+
+def _record(run: Run, sup: subprocess.Popen) -> dict[str, Any]:
+    return next((r for r in heartbeats.read_supervisors(run.layout) if r.get("pid") == sup.pid), {})
+
+
+def _running(run: Run, sup: subprocess.Popen, slots: set[int], log: Path) -> dict[int, int] | None:
+    """{slot: worker pid} once ``sup`` holds exactly ``slots`` and each of their workers is up; else None."""
+    if sup.poll() is not None:
+        raise AssertionError(f"supervisor exited with {sup.returncode}:\n{tail(log)}")
+    rec = _record(run, sup)
+    if set(rec.get("slots", [])) != slots:
+        return None
+    pids = {}
+    for slot in slots:
+        w = worker(run, f"w{slot}")
+        if w.get("state") not in LIVE or w.get("supervisor") != rec["id"]:
+            return None
+        if w.get("pid") != rec["workers"][str(slot)]["pid"]:
+            return None
+        pids[slot] = int(w["pid"])
+    return pids
+
+
+def _echo(run: Run, text: str) -> None:
+    """What a person types: `echo TEXT > RUN/control.json` (truncate and rewrite in place)."""
+    subprocess.run(["sh", "-c", f"echo '{text}' > '{run.layout.control_file}'"], check=True)
+
+
+def _ready(run: Run) -> int:
+    return shards.ready_sample_count(shards.list_ready(run.layout))
+
+
+def _sigterm_and_check(run: Run, sup: subprocess.Popen, worker_pids: set[int], log: Path) -> None:
+    start = time.monotonic()
+    sup.send_signal(signal.SIGTERM)
+    rc = sup.wait(timeout=DRAIN_S + 10)
+    elapsed = time.monotonic() - start
+    assert rc == 0, tail(log)
+    assert elapsed < DRAIN_S, f"drain took {elapsed:.1f}s"
+    assert not [p for p in worker_pids if alive(p)], "orphan worker processes"
+    assert not control.all_leases(run.layout)
+    assert _record(run, sup)["state"] == "stopped"
+    assert assert_ready_shards_valid(run, N) > 0
+
+
+def _kill_all(pids: set[int]) -> None:
+    for p in pids:
+        if alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_scale_by_control_file_restart_and_drain(model: Path, tmp_path: Path) -> None:
+    run = _run(tmp_path / "run", model, run={"initial_workers": 1})
+    log = tmp_path / "supervisor.log"
+    sup = _supervise(run, 3, log)
+    seen: set[int] = set()
+    try:
+        pids = wait_for("w0", lambda: _running(run, sup, {0}, log), 90)
+        _echo(run, '{"action":"add","count":2}')
+        pids = wait_for("w0, w1, w2", lambda: _running(run, sup, {0, 1, 2}, log), 120)
+        seen |= set(pids.values())
+
+        # a command that does not parse is rejected once settled; the workers do not notice
+        _echo(run, '{"action":"add","count":')
+        reason = wait_for("the rejection", lambda: control.read_state(run.layout).last_rejection, 20)
+        assert "not valid JSON" in reason["reason"]
+        assert snapshot(run.layout)["control"]["last_rejection"]["reason"] == reason["reason"]
+        assert control.read_state(run.layout).desired == 3
+        time.sleep(1.0)
+        assert _running(run, sup, {0, 1, 2}, log) == pids
+
+        # scale down: the highest slot drains, exits and gives its lease back
+        _echo(run, '{"action":"remove","count":1}')
+
+        def drained() -> bool:
+            return (
+                worker(run, "w2").get("state") == "stopped"
+                and not alive(pids[2])
+                and not run.layout.lease(2).exists()
+                and _running(run, sup, {0, 1}, log) == {0: pids[0], 1: pids[1]}
+            )
+
+        wait_for("w2 drained", drained, 60)
+
+        # a worker killed outright is restarted
+        os.kill(pids[1], signal.SIGKILL)
+
+        def restarted() -> dict[int, int] | None:
+            now = _running(run, sup, {0, 1}, log)
+            return now if now and now[1] != pids[1] else None
+
+        now = wait_for("w1 restarted", restarted, 60)
+        seen |= set(now.values())
+        assert now[0] == pids[0] and _record(run, sup)["workers"]["1"]["restarts"] == 1
+        wait_for("samples from the restarted w1", lambda: worker(run, "w1").get("samples", 0) > 0, 60)
+
+        # another holder overwrites slot 1's lease (as if we had looked dead): our w1 stops; the intruder never
+        # renews, so after the lease timeout the slot is reclaimed and a new w1 starts
+        intruder = {"slot": 1, "holder": "intruder", "counter": 10**6, "host": "elsewhere", "pid": 1}
+        write_json_atomic(run.layout.lease(1), intruder)
+        wait_for("w1 stopped", lambda: not alive(now[1]), 30)
+        again = wait_for(
+            "w1 back", lambda: (p := _running(run, sup, {0, 1}, log)) and p[1] != now[1] and p, 60
+        )
+        seen |= set(again.values())
+        assert control.all_leases(run.layout)[1]["holder"] == _record(run, sup)["id"]
+
+        _sigterm_and_check(run, sup, seen, log)
+        assert {worker(run, f"w{k}")["state"] for k in range(3)} == {"stopped"}
+    finally:
+        stop(sup)
+        _kill_all(seen)
+
+
+@pytest.mark.slow
+def test_two_supervisors_share_pause_at_backlog_and_take_over(model: Path, tmp_path: Path) -> None:
+    bound = 40
+    run = _run(tmp_path / "run", model, run={"initial_workers": 3}, rollout={"max_backlog_samples": bound})
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = _supervise(run, 2, log_a)
+    b: subprocess.Popen | None = None
+    seen: set[int] = set()
+    try:
+        on_a = wait_for("A's two workers", lambda: _running(run, a, {0, 1}, log_a), 90)
+        b = _supervise(run, 3, log_b)
+        on_b = wait_for("B's one worker", lambda: _running(run, b, {2}, log_b), 90)
+        seen |= set(on_a.values()) | set(on_b.values())
+        holders = {k: v["holder"] for k, v in control.all_leases(run.layout).items()}
+        assert holders == {0: _record(run, a)["id"], 1: _record(run, a)["id"], 2: _record(run, b)["id"]}
+
+        # nobody consumes: every worker pauses and the backlog stops near the bound
+        wait_for(
+            "all paused",
+            lambda: all(worker(run, f"w{k}").get("state") == "paused" for k in range(3)),
+            90,
+        )
+        held = _ready(run)
+        time.sleep(2.0)
+        assert _ready(run) == held
+        per_worker_slack = 4 * 2 + 8  # a batch that passed the check + what it had buffered
+        assert bound < held <= bound + 3 * per_worker_slack
+        assert {worker(run, f"w{k}")["paused_reason"] for k in range(3)} == {"backlog"}
+
+        # the trainer reports what it consumed: the workers resume
+        heartbeats.trainer_status(run.layout).update(state="training", consumed_samples=held)
+        wait_for("generation to resume", lambda: _ready(run) > held + 8, 60)
+
+        # A vanishes without a word: its workers follow it, and B takes its slots after the lease timeout
+        a.kill()
+        a.wait()
+        wait_for("A's workers gone", lambda: not any(alive(p) for p in on_a.values()), 30)
+        heartbeats.trainer_status(run.layout).update(consumed_samples=_ready(run))
+        now = wait_for("B on all slots", lambda: _running(run, b, {0, 1, 2}, log_b), 90)
+        assert now[2] == on_b[2]
+        seen |= set(now.values())
+        b_id = _record(run, b)["id"]
+        assert {v["holder"] for v in control.all_leases(run.layout).values()} == {b_id}
+
+        _sigterm_and_check(run, b, seen, log_b)
+    finally:
+        stop(a)
+        if b is not None:
+            stop(b)
+        _kill_all(seen)
+
+
+@pytest.mark.slow
+def test_crash_loop_fails_the_worker_and_frees_its_slot(model: Path, tmp_path: Path) -> None:
+    run = _run(
+        tmp_path / "run",
+        model,
+        run={"initial_workers": 1},
+        reward={"function": "tests.integration._rollout_rewards:exit_hard"},
+        rollout={"max_restarts": 2, "restart_backoff_s": 0.2, "restart_window_s": 120.0},
+    )
+    log = tmp_path / "supervisor.log"
+    sup = _supervise(run, 1, log)
+    try:
+        w = wait_for("w0 given up", lambda: worker(run, "w0").get("gave_up") and worker(run, "w0"), 120)
+        assert w["state"] == "failed"
+        assert w["last_error"] == "engine exploded: simulated crash"
+        assert w["gave_up"] == "2 restarts within 120s"
+        rec = wait_for(
+            "the failure in the supervisor's record", lambda: _record(run, sup).get("failed_slots"), 10
+        )
+        assert rec == {"0": "engine exploded: simulated crash"}
+        assert not run.layout.lease(0).exists()
+        time.sleep(1.5)  # the slot is left for other nodes, not retaken here
+        assert _record(run, sup)["slots"] == [] and not run.layout.lease(0).exists()
+        assert stop(sup) == 0
+    finally:
+        stop(sup)
+
+
+@pytest.mark.slow
+def test_sigterm_kills_a_worker_that_cannot_drain_in_time(model: Path, tmp_path: Path) -> None:
+    deadline = 4.0
+    run = _run(
+        tmp_path / "run",
+        model,
+        run={"initial_workers": 1},
+        reward={"function": "tests.integration._rollout_rewards:sleepy"},
+        rollout={"drain_deadline_s": deadline},
+    )
+    log = tmp_path / "supervisor.log"
+    sup = _supervise(run, 1, log)
+    pid = 0
+    try:
+        pid = wait_for("w0", lambda: _running(run, sup, {0}, log), 90)[0]
+        wait_for("w0 busy scoring", lambda: "sleepy reward" in tail(worker_log(run.layout, "w0")), 60)
+        start = time.monotonic()
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(timeout=deadline + 10) == 0, tail(log)
+        elapsed = time.monotonic() - start
+        assert elapsed < deadline, elapsed
+        assert not alive(pid) and not control.all_leases(run.layout)
+        assert "did not drain in time; killing it" in log.read_text()
+        assert not os.listdir(run.layout.shards_ready)  # the batch it was scoring never reached a shard
+    finally:
+        stop(sup)
+        _kill_all({pid} if pid else set())
+
+
+def _cli(*args: str, module: str = "rollout_worker") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_user_errors_are_one_line(model: Path, tmp_path: Path) -> None:
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
+    no_field = tmp_path / "nofield.jsonl"
+    no_field.write_text('{"question": "1+1=", "answer": "2"}\n')
+    gone_model = tmp_path / "gone_model"
+    shutil.copytree(model, gone_model)
+    file_data = {"task": "file"}
+    cases = {
+        "missing prompts file": (
+            {"data": {**file_data, "prompts_file": str(tmp_path / "nope.jsonl")}},
+            ["nope.jsonl", "prompts file not found", "JSONL", "Parquet"],
+        ),
+        "bad JSON line": ({"data": {**file_data, "prompts_file": str(bad_json)}}, ["bad.jsonl", "line 2"]),
+        "missing field": (
+            {"data": {**file_data, "prompts_file": str(no_field)}},
+            ["nofield.jsonl", "line 1", "'prompt' missing", "question"],
+        ),
+        "missing model": ({"model_dir": gone_model}, ["gone_model", "not found"]),
+        "unknown reward": (
+            {"reward": {"function": "nope"}},
+            [
+                "reward.function",
+                "'nope'",
+                "math_answer, exact_match, max_digit, mod_add",
+                "package.module:function",
+            ],
+        ),
+    }
+    for i, (name, (sections, expected)) in enumerate(cases.items()):
+        sections = dict(sections)
+        model_dir = sections.pop("model_dir", model)
+        run = _run(tmp_path / f"run{i}", model_dir, **sections)
+        if model_dir == gone_model:
+            shutil.rmtree(gone_model)
+        for module in ("rollout_worker", "rollout_worker.worker"):
+            extra = ["--slot", "0"] if module == "rollout_worker.worker" else []
+            p = _cli("--run", str(run.layout.root), *extra, module=module)
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1, (name, module, p.returncode, p.stderr)
+            for text in expected:
+                assert text in lines[0], (name, text, lines[0])
+
+
+def test_help_documents_the_options_without_importing_torch() -> None:
+    code = (
+        "import sys\nfrom rollout_worker.__main__ import main\ntry:\n main(['--help'])\nexcept SystemExit:\n pass\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip().endswith("[]")
+    for option in (
+        "--run",
+        "--max-local-workers",
+        "--rollout.drain_deadline_s",
+        "--rollout.engine",
+        "control.json",
+    ):
+        assert option in out
+
+
+def test_local_devices_one_worker_per_gpu_group_or_cpu_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    from buffer.config import ShardRLConfig
+    from rollout_worker.supervisor import local_devices
+
+    def cfg(**rollout: Any) -> ShardRLConfig:
+        return ShardRLConfig.model_validate({"rollout": rollout})
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
+    gpus = local_devices(cfg(engine="hf"))
+    assert gpus.capacity == 4 and gpus.env(1, {})["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "OMP_NUM_THREADS" not in gpus.env(1, {})
+    if importlib.util.find_spec("vllm") is not None:
+        tp2 = local_devices(cfg(engine="vllm", vllm={"tensor_parallel_size": 2}))
+        assert tp2.capacity == 2 and tp2.env(1, {})["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert local_devices(cfg(engine="hf", max_local_workers=1)).capacity == 1
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cpu = local_devices(cfg(engine="hf", cpu_workers=2, threads_per_worker=1))
+    assert cpu.capacity == 2 and not cpu.gpu_groups
+    env0, env1 = cpu.env(0, {}), cpu.env(1, {})
+    assert env0["OMP_NUM_THREADS"] == env1["OMP_NUM_THREADS"] == "1"
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert env0["VLLM_CPU_OMP_THREADS_BIND"] != env1["VLLM_CPU_OMP_THREADS_BIND"]  # own cores each
+    assert cpu.env(0, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
