@@ -4,29 +4,50 @@
         -m trainer --run-dir RUN [--max-steps N]
 
 NCCL on GPUs, gloo on CPU, chosen automatically; one process without torchrun also works.  The run's config comes
-from RUN/config.json; only per-process settings may be overridden here.
+from RUN/config.json; only per-process settings may be overridden here.  A restarted trainer resumes from the newest
+complete checkpoint and replays the recorded plans after it; starting a second trainer on a run fences out the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
-from buffer.config import PER_PROCESS_FIELDS, ConfigError, TrainerConfig, parse_overrides
+from pydantic import BaseModel
+
+from buffer.config import PER_PROCESS_FIELDS, AlgorithmConfig, ConfigError, TrainerConfig, parse_overrides
+
+
+def _options(prefix: str, model: type[BaseModel], only: frozenset[str] | None = None) -> str:
+    rows = []
+    for name, f in model.model_fields.items():
+        key = f"{prefix}.{name}"
+        if only is None or key in only:
+            rows.append(
+                f"  --{key:<34} {f.description} (default {json.dumps(f.get_default(call_default_factory=True))})"
+            )
+    return "\n".join(rows)
 
 
 def _parser() -> argparse.ArgumentParser:
-    fields = "\n".join(f"  --trainer.{k:<26} {f.description}" for k, f in TrainerConfig.model_fields.items())
+    per_process = frozenset(k for k in PER_PROCESS_FIELDS if k.startswith("trainer."))
     p = argparse.ArgumentParser(
         prog="python -m trainer",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Run-wide settings (fixed at `shardrl init`, shown for reference):\n"
-        + fields
-        + "\n\nPer-process overrides accepted here: "
-        + ", ".join(f"--{k}" for k in sorted(PER_PROCESS_FIELDS) if k.startswith("trainer.")),
+        epilog="Per-process overrides accepted here (--section.key VALUE):\n"
+        + _options("trainer", TrainerConfig, per_process)
+        + "\n\nRun-wide settings, fixed in RUN/config.json at `shardrl init` (shown for reference; changing one "
+        "here is refused):\n"
+        + _options("trainer", TrainerConfig)
+        + "\n"
+        + _options("algorithm", AlgorithmConfig)
+        + "\n\nExit status: 0 done (max steps, SIGTERM/SIGINT: the step is finished and checkpointed), "
+        "2 bad config or command line, 3 fenced out by a newer trainer incarnation, "
+        "4 no samples within trainer.step_wait_timeout_s.",
     )
     # torchrun's own parser reads `--run` as an ambiguous abbreviation of its `--run-path`, so under torchrun the
     # run directory is passed as `--run-dir` (or SHARDRL_RUN); `--run` works when started without torchrun.

@@ -2,8 +2,9 @@
 
 Rank 0 plans each step from the ready shards through the consumption log (``buffer.plans``): whole GRPO groups,
 oldest policy version first, too-stale groups dropped (and recorded as consumed) or kept per config.  The plan is
-written durably before the step runs, then broadcast; every rank reads the planned rows from shared storage itself,
-computes the same advantages, and takes its token-balanced share.
+written durably before the step runs; rank 0 then broadcasts the step's rows, every rank computes the same
+advantages and takes its token-balanced share (``assign_to_ranks``), cut into padded micro-batches (``microbatches``,
+``collate``).  Used by ``trainer/loop.py`` and ``trainer/step.py``; pure Python apart from ``collate``.
 """
 
 from __future__ import annotations
@@ -182,6 +183,13 @@ class Planner:
 
     def unconsumed_count(self) -> int:
         return sum(1 for rows in self.cache.rows.values() for r in rows if r.sample_id not in self.consumed)
+
+
+def split_updates(samples: list[Sample], updates: int) -> list[list[Sample]]:
+    """The step's samples as ``updates`` mini-batches (one optimizer update each), interleaved so that each holds a
+    slice of every group; the same on every rank.  Never more mini-batches than samples."""
+    n = max(1, min(updates, len(samples)))
+    return [samples[i::n] for i in range(n)]
 
 
 def assign_to_ranks(samples: list[Sample], world: int) -> list[list[Sample]]:

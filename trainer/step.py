@@ -1,22 +1,36 @@
-"""One training step on one rank: advantages, micro-batches, losses, backward, optimizer update.
+"""One training step on every rank: advantages, micro-batches, losses, backward, optimizer updates.
 
-Every rank sees the whole step's samples (read from the planned shards), computes the same advantages, and trains on
-its token-balanced share.  All ranks run the same number of micro-batches (empty ones still run backward), and
-losses are normalised by global token/sequence counts, so the result does not depend on how samples fall on ranks.
+Every rank gets the whole step's samples, splits them into ``trainer.updates_per_step`` mini-batches (one optimizer
+update each) and takes its token-balanced share of each.  All ranks run the same number of micro-batches (empty
+ones still run forward and backward), and losses are normalised by the mini-batch's global token/sequence counts,
+so the gradient does not depend on how samples fall onto micro-batches and ranks.
+
+Before the first update a no-grad pass computes what must come from the weights before this step: reference
+logprobs (KL), proximal logprobs (the decoupled objective over several updates, the KL reward penalty) and, for PPO,
+the critic's old values, token rewards (the scalar reward on the last response token, minus the KL penalty when
+``kl_mode = "reward"``), GAE advantages and returns, optionally whitened over the whole step on all ranks.  GRPO
+advantages are per sample (group-relative) and need none of the PPO part.
+
+Called by ``trainer/loop.py`` (and ``bench/trainer.py``) on every rank with the same samples.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from buffer.config import ShardRLConfig
 from trainer import dist as tdist
 from trainer import ppo
-from trainer.data import Sample, assign_to_ranks, collate, microbatches
+from trainer.data import Sample, assign_to_ranks, collate, microbatches, split_updates
 from trainer.model import clip_grad_norm_, token_logprobs_and_entropy
+
+Batch = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -29,6 +43,53 @@ class Models:
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: Any = None
 
+    def parts(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Trainable models, optimizers and schedulers by part name, as checkpoints store them."""
+        models: dict[str, Any] = {"actor": self.actor}
+        optims: dict[str, Any] = {"actor": self.optimizer}
+        scheds: dict[str, Any] = {"actor": self.scheduler}
+        if self.critic is not None:
+            models["critic"], optims["critic"] = self.critic, self.critic_optimizer
+            scheds["critic"] = self.critic_scheduler
+        return models, optims, scheds
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer update's share of this rank."""
+
+    samples: list[Sample]
+    batches: list[Batch]  # padded with empty micro-batches up to the busiest rank's count
+    tokens: list[int]  # response tokens of each micro-batch (0 for the padding ones)
+    counts: tuple[float, float]  # response tokens and sequences of the whole mini-batch, all ranks
+
+    def share(self, i: int, n_minis: int) -> float:
+        """Micro-batch i's weight in the step's metrics: its fraction of the response tokens (per update)."""
+        return self.tokens[i] / self.counts[0] / n_minis
+
+
+GradHook = Callable[[Models], None]
+
+
+class _Metrics:
+    """Token-weighted sums of per-micro-batch metrics, kept on the device (reading one would stall the stream
+    between micro-batches) and reduced over ranks in one collective at the end of the step."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, m: dict[str, torch.Tensor], weight: float) -> None:
+        for k, v in m.items():
+            term = v.detach().double() * weight
+            self.sums[k] = self.sums[k] + term if k in self.sums else term
+
+    def reduced(self) -> dict[str, float]:
+        keys = sorted(self.sums)  # the same keys on every rank: they depend on the config only
+        if not keys:
+            return {}
+        t = torch.stack([self.sums[k].to(tdist.current_device()) for k in keys])
+        return dict(zip(keys, tdist.all_reduce_sum(t).tolist(), strict=True))
+
 
 def grpo_sample_advantages(samples: list[Sample], norm_by_std: bool) -> None:
     groups: dict[str, int] = {}
@@ -39,6 +100,15 @@ def grpo_sample_advantages(samples: list[Sample], norm_by_std: bool) -> None:
         s.advantage = a
 
 
+def sampling_temperature(cfg: ShardRLConfig) -> float:
+    """The temperature the behaviour logprobs were taken at (greedy sampling reports unscaled ones)."""
+    t = cfg.rollout.sampling.temperature
+    return t if t > 0 else 1.0
+
+
+# ------------------------------------------------------------------------------------------------- micro-batches
+
+
 def _padded_microbatches(mine: list[Sample], max_tokens: int) -> list[list[Sample]]:
     """This rank's micro-batches, padded with empty ones up to the count of the busiest rank."""
     mbs = microbatches(mine, max_tokens)
@@ -46,7 +116,7 @@ def _padded_microbatches(mine: list[Sample], max_tokens: int) -> list[list[Sampl
     return mbs + [[] for _ in range(n - len(mbs))]
 
 
-def _batch(mb: list[Sample], pad_id: int, device: torch.device, like: Sample) -> dict[str, torch.Tensor]:
+def _batch(mb: list[Sample], pad_id: int, device: torch.device, like: Sample) -> Batch:
     """Tensors of a micro-batch; an empty one is a single masked-out row so forward/backward still run."""
     b = collate(mb if mb else [like], pad_id)
     if not mb:
@@ -55,15 +125,120 @@ def _batch(mb: list[Sample], pad_id: int, device: torch.device, like: Sample) ->
 
 
 def _counts(mine: list[Sample]) -> tuple[float, float]:
-    tokens = tdist.all_reduce_sum(float(sum(len(s.response_ids) for s in mine)))
-    seqs = tdist.all_reduce_sum(float(sum(1 for s in mine if s.response_ids)))
-    return max(tokens, 1.0), max(seqs, 1.0)
+    local = [float(sum(len(s.response_ids) for s in mine)), float(sum(1 for s in mine if s.response_ids))]
+    total = tdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=tdist.current_device()))
+    return max(float(total[0]), 1.0), max(float(total[1]), 1.0)
+
+
+def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[MiniBatch]:
+    """This rank's share of every update of the step, as device tensors."""
+    t, device = cfg.trainer, tdist.current_device()
+    out = []
+    for part in split_updates(samples, t.updates_per_step):
+        mine = assign_to_ranks(part, tdist.world())[tdist.rank()]
+        mbs = _padded_microbatches(mine, t.max_tokens_per_microbatch)
+        batches = [_batch(mb, pad_id, device, samples[0]) for mb in mbs]
+        tokens = [sum(len(s.response_ids) for s in mb) for mb in mbs]
+        out.append(MiniBatch(mine, batches, tokens, _counts(mine)))
+    return out
+
+
+# ------------------------------------------------------------------------------------- before the first update
+
+
+def _logp(
+    model: torch.nn.Module, b: Batch, cfg: ShardRLConfig, with_entropy: bool
+) -> tuple[torch.Tensor, ...]:
+    return token_logprobs_and_entropy(
+        model,
+        b["input_ids"],
+        b["attention_mask"],
+        None,
+        b["response_mask"],
+        chunk=cfg.trainer.logprob_chunk,
+        temperature=sampling_temperature(cfg),
+        with_entropy=with_entropy,
+    )
+
+
+def _kl_in_reward(cfg: ShardRLConfig) -> bool:
+    return cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_mode == "reward"
+
+
+def _gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ppo.gae`` from the first response column on: prompts come first, so the columns before are all masked."""
+    cols = mask.bool().any(dim=0).nonzero()
+    lo = int(cols[0]) if cols.numel() else mask.shape[1]
+    adv, ret = ppo.gae(rewards[:, lo:], values[:, lo:], mask[:, lo:], gamma, lam)
+    return F.pad(adv, (lo, 0)), F.pad(ret, (lo, 0))
+
+
+def _ppo_targets(cfg: ShardRLConfig, models: Models, b: Batch) -> dict[str, torch.Tensor]:
+    """Old values, token rewards, GAE advantages and returns of one micro-batch (written into ``b``)."""
+    a = cfg.algorithm
+    mask = b["response_mask"]
+    b["old_values"] = models.critic.values(b["input_ids"], b["attention_mask"])
+    rewards = ppo.scalar_reward_to_tokens(b["rewards"], mask)
+    m: dict[str, torch.Tensor] = {}
+    if _kl_in_reward(cfg):
+        kl = ppo.kl_estimate(b["prox_logp"], b["ref_logp"], a.kl_estimator) * mask
+        rewards = rewards - a.kl_coef * kl
+        m["kl_ref"] = ppo.masked_mean(kl, mask)
+    b["advantages"], b["returns"] = _gae(rewards, b["old_values"], mask, a.gamma, a.lam)
+    m["returns_mean"] = ppo.masked_mean(b["returns"], mask)
+    m["old_value_mean"] = ppo.masked_mean(b["old_values"], mask)
+    return m
+
+
+def _whiten_over_ranks(batches: list[Batch], eps: float = 1e-8) -> None:
+    """``ppo.whiten`` of the advantages of the whole step on all ranks: mean and population variance over every
+    rank's response tokens (``ppo.whiten`` alone would whiten each rank's share differently)."""
+    device = tdist.current_device()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in batches:
+        m = b["response_mask"].bool()
+        total += torch.stack([b["advantages"][m].double().sum(), m.sum().double()])
+    tdist.all_reduce_sum(total)
+    mean = total[0] / total[1].clamp(min=1)
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for b in batches:
+        m = b["response_mask"].bool()
+        sq += ((b["advantages"][m].double() - mean) ** 2).sum()
+    var = tdist.all_reduce_sum(sq)[0] / total[1].clamp(min=1)
+    scale = torch.rsqrt(var + eps)
+    for b in batches:
+        m = b["response_mask"].bool()
+        whitened = ((b["advantages"].double() - mean) * scale).to(b["advantages"].dtype)
+        b["advantages"] = torch.where(m, whitened, torch.zeros_like(whitened))
+
+
+@torch.no_grad()
+def prepare(cfg: ShardRLConfig, models: Models, minis: list[MiniBatch], metrics: _Metrics) -> None:
+    """Everything that needs the weights before the step's first update, added to each micro-batch."""
+    a = cfg.algorithm
+    # With one update the proximal policy is the current one: its logprobs are the actor's own, detached.
+    need_prox = (a.off_policy == "decoupled" and len(minis) > 1) or (a.name == "ppo" and _kl_in_reward(cfg))
+    for mini in minis:
+        for i, b in enumerate(mini.batches):
+            if models.reference is not None:
+                b["ref_logp"] = _logp(models.reference, b, cfg, with_entropy=False)[0]
+            if need_prox:
+                b["prox_logp"] = _logp(models.actor, b, cfg, with_entropy=False)[0]
+            if a.name == "ppo":
+                metrics.add(_ppo_targets(cfg, models, b), mini.share(i, len(minis)))
+    if a.name == "ppo" and a.whiten_advantages:
+        _whiten_over_ranks([b for mini in minis for b in mini.batches])
+
+
+# ------------------------------------------------------------------------------------------------------ losses
 
 
 def _policy_terms(
     cfg: ShardRLConfig,
     logp: torch.Tensor,
-    b: dict[str, torch.Tensor],
+    b: Batch,
     prox: torch.Tensor,
     counts: tuple[float, float],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -89,102 +264,95 @@ def _policy_terms(
     return loss, m
 
 
-def _ref_logp(models: Models, b: dict[str, torch.Tensor], chunk: int) -> torch.Tensor | None:
-    if models.reference is None:
-        return None
-    with torch.no_grad():
-        ref, _ = token_logprobs_and_entropy(
-            models.reference,
-            b["input_ids"],
-            b["attention_mask"],
-            None,
-            b["response_mask"],
-            chunk=chunk,
-            with_entropy=False,
-        )
-    return ref
+def _value_terms(
+    cfg: ShardRLConfig, models: Models, b: Batch, counts: tuple[float, float]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    a, mask = cfg.algorithm, b["response_mask"]
+    values = models.critic(b["input_ids"], b["attention_mask"])
+    loss, m = ppo.value_loss(values, b["old_values"], b["returns"], mask, a.value_clip, a.loss_agg, *counts)
+    return a.value_coef * loss, m
 
 
 def _microbatch_loss(
-    cfg: ShardRLConfig,
-    models: Models,
-    b: dict[str, torch.Tensor],
-    prox: torch.Tensor | None,
-    counts: tuple[float, float],
+    cfg: ShardRLConfig, models: Models, b: Batch, counts: tuple[float, float]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    a, t = cfg.algorithm, cfg.trainer
-    logp, ent = token_logprobs_and_entropy(
-        models.actor, b["input_ids"], b["attention_mask"], None, b["response_mask"], chunk=t.logprob_chunk
-    )
+    a = cfg.algorithm
+    logp, ent = _logp(models.actor, b, cfg, with_entropy=True)
     mask = b["response_mask"]
-    proximal = logp.detach() if prox is None else prox
-    loss, m = _policy_terms(cfg, logp, b, proximal, counts)
-    ent_loss, em = ppo.entropy_bonus(ent, mask, a.entropy_coef, a.loss_agg, *counts)
-    loss = loss + ent_loss
-    m.update(em)
-    ref = _ref_logp(models, b, t.logprob_chunk)
-    if ref is not None and a.kl_mode == "loss" and a.kl_coef > 0:
-        kl_loss, km = ppo.kl_loss(logp, ref, mask, a.kl_coef, a.kl_estimator, a.loss_agg, *counts)
+    loss, m = _policy_terms(cfg, logp, b, b.get("prox_logp", logp.detach()), counts)
+    if a.entropy_coef > 0:
+        ent_loss, em = ppo.entropy_bonus(ent, mask, a.entropy_coef, a.loss_agg, *counts)
+        loss = loss + ent_loss
+        m.update(em)
+    else:  # a metric only: keep the entropy out of the graph
+        m["entropy"] = ppo.masked_mean(ent.detach(), mask)
+    if "ref_logp" in b and a.kl_mode == "loss":
+        kl_loss, km = ppo.kl_loss(logp, b["ref_logp"], mask, a.kl_coef, a.kl_estimator, a.loss_agg, *counts)
         loss = loss + kl_loss
         m.update(km)
     m["mismatch_kl"] = ppo.mismatch_kl(logp.detach(), b["behaviour_logp"], mask)
+    if models.critic is not None:
+        v_loss, vm = _value_terms(cfg, models, b, counts)
+        loss = loss + v_loss
+        m.update(vm)
     return loss, m
 
 
-def _proximal(models: Models, batches: list[dict[str, torch.Tensor]], chunk: int) -> list[torch.Tensor]:
-    """Logprobs under the weights before this step's first update (the decoupled objective's proximal policy)."""
-    out = []
-    with torch.no_grad():
-        for b in batches:
-            lp, _ = token_logprobs_and_entropy(
-                models.actor,
-                b["input_ids"],
-                b["attention_mask"],
-                None,
-                b["response_mask"],
-                chunk=chunk,
-                with_entropy=False,
-            )
-            out.append(lp)
-    return out
+# ------------------------------------------------------------------------------------------------------ update
 
 
-def _accumulate(acc: dict[str, float], m: dict[str, torch.Tensor], weight: float) -> None:
-    for k, v in m.items():
-        acc[k] = acc.get(k, 0.0) + float(v) * weight
+def _apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> tuple[float, bool]:
+    """Clip to the global norm and step; a non-finite norm (same on every rank) skips the update."""
+    norm = clip_grad_norm_(model.parameters(), max_norm)
+    ok = math.isfinite(norm)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, ok
 
 
-def train_step(cfg: ShardRLConfig, models: Models, samples: list[Sample], pad_id: int) -> dict[str, float]:
-    """Train on one step's samples (GRPO; all ranks call it with the same list); returns rank-0 metrics."""
-    t = cfg.trainer
-    device = tdist.current_device()
-    grpo_sample_advantages(samples, cfg.algorithm.norm_adv_by_std)
-    mine = assign_to_ranks(samples, tdist.world())[tdist.rank()]
-    updates = max(1, min(t.updates_per_step, len(mine) or 1))
-    minis = [mine[i::updates] for i in range(updates)]
-    metrics: dict[str, float] = {}
-    grad_norms = []
+def _update(models: Models, max_norm: float, norms: dict[str, list[float]]) -> None:
+    pairs = [("grad_norm", models.actor, models.optimizer)]
+    if models.critic is not None and models.critic_optimizer is not None:
+        pairs.append(("critic_grad_norm", models.critic, models.critic_optimizer))
+    for name, model, optimizer in pairs:
+        norm, ok = _apply(model, optimizer, max_norm)
+        norms.setdefault(name, []).append(norm)
+        norms.setdefault("skipped_updates", []).append(0.0 if ok else 1.0)
+
+
+def train_step(
+    cfg: ShardRLConfig,
+    models: Models,
+    samples: list[Sample],
+    pad_id: int,
+    grad_hook: GradHook | None = None,
+) -> dict[str, float]:
+    """Train on one step's samples (all ranks call it with the same list); returns metrics (same on all ranks).
+
+    ``grad_hook(models)``, when given, runs after the backward of each update, before clipping (a debugging aid).
+    """
+    if cfg.algorithm.name == "grpo":
+        grpo_sample_advantages(samples, cfg.algorithm.norm_adv_by_std)
+    minis = minibatches(cfg, samples, pad_id)
+    metrics = _Metrics()
+    prepare(cfg, models, minis, metrics)
+    norms: dict[str, list[float]] = {}
     for mini in minis:
-        counts = _counts(mini)
-        batches = [
-            _batch(mb, pad_id, device, samples[0])
-            for mb in _padded_microbatches(mini, t.max_tokens_per_microbatch)
-        ]
-        proxs: list[torch.Tensor | None] = (
-            list(_proximal(models, batches, t.logprob_chunk)) if updates > 1 else [None] * len(batches)
-        )
-        for b, prox in zip(batches, proxs, strict=True):
-            loss, m = _microbatch_loss(cfg, models, b, prox, counts)
+        for i, b in enumerate(mini.batches):
+            loss, m = _microbatch_loss(cfg, models, b, mini.counts)
             # FSDP averages gradients over ranks; losses are already normalised by global counts, so undo the mean
             (loss * tdist.world()).backward()
-            share = float(b["response_mask"].sum()) / counts[0]
-            _accumulate(metrics, m, share / len(minis))
-        grad_norms.append(clip_grad_norm_(models.actor.parameters(), t.grad_clip))
-        models.optimizer.step()
-        models.optimizer.zero_grad(set_to_none=True)
-    models.scheduler.step()
-    metrics = {k: tdist.all_reduce_sum(v) for k, v in metrics.items()}
-    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    metrics["lr"] = float(models.optimizer.param_groups[0]["lr"])
-    metrics["clip_frac"] = metrics.get("clip_frac_low", 0.0) + metrics.get("clip_frac_high", 0.0)
-    return metrics
+            metrics.add(m, mini.share(i, len(minis)))
+        if grad_hook is not None:
+            grad_hook(models)
+        _update(models, cfg.trainer.grad_clip, norms)
+    for sched in (models.scheduler, models.critic_scheduler):
+        if sched is not None:
+            sched.step()
+    out = metrics.reduced()
+    out.update({k: sum(v) / len(v) for k, v in norms.items() if k != "skipped_updates"})
+    out["skipped_updates"] = sum(norms["skipped_updates"])
+    out["lr"] = float(models.optimizer.param_groups[0]["lr"])
+    out["clip_frac"] = out.get("clip_frac_low", 0.0) + out.get("clip_frac_high", 0.0)
+    return out

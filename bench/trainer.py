@@ -1,0 +1,282 @@
+"""Benchmark of the trainer step against a bare FSDP2 forward+backward of the same tokens, in the same run.
+
+    python -m torch.distributed.run --nproc_per_node=N bench/trainer.py                  # Qwen2.5-1.5B shape
+    python bench/trainer.py --preset tiny                                                 # one process, CPU smoke
+
+Builds a randomly initialised Qwen2 with a published model's shapes on the current device (GPU when there is one,
+else CPU) and synthetic samples (``--samples-per-rank`` x ``--seq-len`` tokens per rank, ``--prompt-len`` of them
+prompt), then times, one after the other:
+
+- bare:     a plain HF causal LM sharded the same way (activation checkpointing, ``fully_shard`` per decoder layer
+            and root, the same mixed precision), ``model(input_ids, labels=...)`` -> loss -> backward, over the same
+            micro-batches; no optimizer (``--bare-adam`` adds clip + AdamW, to show what the update costs);
+- trainer:  ``trainer.step.train_step`` with the run config's defaults (GRPO, decoupled objective, bf16 compute on
+            GPU, activation checkpointing): advantages, chunked logprobs, losses, backward, clip, AdamW, metrics.
+
+Prints per path the step time, tokens/s (all tokens of all ranks), MFU (6 * params * tokens against a bf16 peak of
+989 TFLOP/s per H200; not meaningful on CPU), peak memory, and the ratio trainer tokens/s / bare tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PEAK_BF16_FLOPS = 989e12  # per H200, dense
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
+DEFAULT_SHAPE = {
+    "tiny": (4, 128, 32),
+    "qwen2.5-1.5b": (8, 2048, 512),
+}  # samples per rank, seq len, prompt len
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-1.5b")
+    p.add_argument("--samples-per-rank", type=int, default=None, help="samples per rank (default by preset)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default by preset)")
+    p.add_argument(
+        "--prompt-len", type=int, default=None, help="prompt tokens per sample (default by preset)"
+    )
+    p.add_argument("--microbatch-tokens", type=int, default=16384, help="trainer.max_tokens_per_microbatch")
+    p.add_argument("--no-activation-checkpointing", action="store_true")
+    p.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each path")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each path (the mean is reported)")
+    p.add_argument("--bare-adam", action="store_true", help="also time bare fwd+bwd + clip + AdamW")
+    args = p.parse_args(argv)
+    n, seq, prompt = DEFAULT_SHAPE[args.preset]
+    args.samples_per_rank = args.samples_per_rank or n
+    args.seq_len = args.seq_len or seq
+    args.prompt_len = args.prompt_len if args.prompt_len is not None else prompt
+    if not 0 < args.prompt_len < args.seq_len:
+        p.error("--prompt-len must be between 1 and --seq-len - 1")
+    return args
+
+
+def build_lm(preset: str, seq_len: int, device: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(**PRESETS[preset], max_position_embeddings=max(4096, seq_len))
+    torch.manual_seed(0)  # the same weights on every rank before sharding
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def make_samples(args: argparse.Namespace, world: int, vocab: int) -> list[Any]:
+    """The same synthetic samples on every rank: groups of 8, full-length responses, plausible logprobs."""
+    from trainer.data import Sample
+
+    rng = random.Random(0)
+    resp = args.seq_len - args.prompt_len
+    out = []
+    for i in range(args.samples_per_rank * world):
+        out.append(
+            Sample(
+                sample_id=f"s{i}",
+                group_id=f"g{i // 8}",
+                prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)],
+                response_ids=[rng.randrange(vocab) for _ in range(resp)],
+                response_logprobs=[-rng.uniform(0.01, 3.0) for _ in range(resp)],
+                reward=float(rng.random() < 0.5),
+                policy_version=0,
+            )
+        )
+    return out
+
+
+def bare_batches(cfg: Any, samples: list[Any], device: Any) -> list[dict[str, Any]]:
+    """This rank's micro-batches exactly as the trainer splits them, with HF labels on the response tokens."""
+    from trainer import dist as tdist
+    from trainer.data import assign_to_ranks, collate, microbatches
+
+    mine = assign_to_ranks(samples, tdist.world())[tdist.rank()]
+    out = []
+    for mb in microbatches(mine, cfg.trainer.max_tokens_per_microbatch):
+        b = collate(mb, pad_id=0)
+        labels = b["input_ids"].masked_fill(b["response_mask"] == 0, -100)
+        out.append({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "labels": labels})
+    return [{k: v.to(device) for k, v in b.items()} for b in out]
+
+
+def timed(fn: Callable[[], Any], warmup: int, steps: int) -> float:
+    """Mean seconds per call over ``steps`` calls after ``warmup`` untimed ones, with all ranks in step."""
+    import torch
+
+    from trainer import dist as tdist
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        tdist.barrier()
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def reset_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process)"
+
+
+def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool) -> float:
+
+    from trainer import dist as tdist
+    from trainer.model import build_optimizer, clip_grad_norm_, decoder_layers, shard
+
+    device = tdist.current_device()
+    lm = build_lm(args.preset, args.seq_len, device)
+    t = cfg.trainer
+    shard(
+        lm,
+        decoder_layers(lm.model),
+        device,
+        param_dtype=t.param_dtype,
+        activation_checkpointing=t.activation_checkpointing,
+    )
+    opt = build_optimizer(lm, lr=1e-6) if adam else None
+    batches = bare_batches(cfg, samples, device)
+
+    def step() -> None:
+        for b in batches:
+            lm(**b, use_cache=False).loss.backward()
+        if opt is not None:
+            clip_grad_norm_(lm.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            lm.zero_grad(set_to_none=True)
+
+    return timed(step, args.warmup, args.steps)  # the model goes with this frame, before the next path
+
+
+def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> float:
+    from trainer import dist as tdist
+    from trainer.model import build_optimizer, build_scheduler, shard_actor
+    from trainer.step import Models, train_step
+
+    device, t = tdist.current_device(), cfg.trainer
+    actor = shard_actor(
+        build_lm(args.preset, args.seq_len, device),
+        device,
+        param_dtype=t.param_dtype,
+        activation_checkpointing=t.activation_checkpointing,
+    )
+    opt = build_optimizer(actor, lr=1e-6, betas=t.betas, weight_decay=t.weight_decay)
+    sched = build_scheduler(opt, warmup_steps=0, schedule="constant", total_steps=1)
+    models = Models(actor, opt, sched)
+    return timed(lambda: train_step(cfg, models, samples, pad_id=0), args.warmup, args.steps)
+
+
+def report(name: str, step_s: float, tokens: int, params: int, world: int, on_gpu: bool) -> float:
+    tok_s = tokens / step_s
+    mfu = (
+        f"MFU {100 * 6 * params * tokens / step_s / (world * PEAK_BF16_FLOPS):5.1f}%"
+        if on_gpu
+        else "MFU n/a (CPU)"
+    )
+    print(f"{name:18s} {step_s:8.3f} s/step  {tok_s / 1e3:9.2f}k tok/s  {mfu}  {peak_memory()}", flush=True)
+    return tok_s
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from buffer.config import ShardRLConfig
+    from trainer import dist as tdist
+    from trainer.model import resolve_param_dtype
+
+    device = tdist.init()
+    world, on_gpu = tdist.world(), device.type == "cuda"
+    ac = not args.no_activation_checkpointing
+    cfg = ShardRLConfig.model_validate(
+        {
+            "trainer": {
+                "max_tokens_per_microbatch": args.microbatch_tokens,
+                "activation_checkpointing": ac,
+                "param_dtype": args.param_dtype,
+            }
+        }
+    )
+    vocab = PRESETS[args.preset]["vocab_size"]
+    samples = make_samples(args, world, vocab)
+    tokens = sum(s.length for s in samples)
+    params = sum(p.numel() for p in build_lm(args.preset, args.seq_len, "meta").parameters())
+    if tdist.is_main():
+        dtype = resolve_param_dtype(args.param_dtype, device)
+        print(
+            f"preset {args.preset}: {params / 1e6:.1f}M params, {world} rank(s) on {device.type}, compute {dtype}, "
+            f"activation checkpointing {'on' if ac else 'off'}; {args.samples_per_rank} x {args.seq_len} tokens "
+            f"per rank ({args.prompt_len} prompt), micro-batches of <= {args.microbatch_tokens} tokens; "
+            f"mean of {args.steps} steps after {args.warmup}",
+            flush=True,
+        )
+    results = {}
+    paths: list[tuple[str, Callable[[], float]]] = [
+        ("bare fwd+bwd", lambda: run_bare(args, cfg, samples, False))
+    ]
+    if args.bare_adam:
+        paths.append(("bare fwd+bwd+adam", lambda: run_bare(args, cfg, samples, True)))
+    paths.append(("trainer step", lambda: run_trainer(args, cfg, samples)))
+    for name, fn in paths:
+        reset_memory()
+        step_s = fn()
+        if tdist.is_main():
+            results[name] = report(name, step_s, tokens, params, world, on_gpu)
+        torch.manual_seed(0)
+    if tdist.is_main():
+        ratio = results["trainer step"] / results["bare fwd+bwd"]
+        print(f"trainer/bare tokens/s ratio {ratio:.3f} (target >= 0.9)", flush=True)
+    tdist.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Builders and process handling shared by the trainer integration tests: runs on the tiny model, synthetic shards,
+trainer processes (one plain process or torchrun), and readers for metrics and checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from buffer.config import apply_overrides, validate
+from buffer.layout import RunLayout
+from buffer.run import init_run, open_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_run(root: Path, model: Path, **overrides: Any) -> RunLayout:
+    """A run on the session's tiny model with settings the trainer tests rely on (not the demo's, which are tuned
+    for learning); ``overrides`` are dotted keys written with ``__`` for the dot."""
+    settings = {
+        "model.path": str(model),
+        "rollout.sampling.n": "8",
+        "rollout.sampling.max_response_length": "6",
+        "algorithm.entropy_coef": "0.01",
+        "trainer.lr": "1e-3",
+        "trainer.samples_per_step": "32",
+        "trainer.max_staleness": "1000",
+        "trainer.save_every": "10",
+        "trainer.tensorboard": "false",
+    }
+    settings.update({k.replace("__", "."): str(v) for k, v in overrides.items()})
+    return init_run(root, validate(apply_overrides({}, settings), "test settings")).layout
+
+
+def synth(layout: RunLayout, shards: int, samples: int, seed: int = 0) -> None:
+    from buffer.synth import synth_shards
+
+    synth_shards(open_run(layout.root), shards, samples, seed=seed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), e.get("PYTHONPATH", "")) if p)
+    e["OMP_NUM_THREADS"] = "1"
+    e["TRANSFORMERS_VERBOSITY"] = "error"
+    e["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    return e
+
+
+def command(nproc: int, *args: str | Path) -> list[str]:
+    """``python -m trainer ARGS`` as one process, or under torchrun with ``nproc`` ranks."""
+    head = [sys.executable]
+    if nproc > 1:
+        head += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]
+    return [*head, *map(str, args)]
+
+
+def trainer_args(layout: RunLayout, *extra: str | int) -> list[str | Path]:
+    return ["-m", "trainer", "--run-dir", layout.root, *map(str, extra)]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    out = open(log, "wb")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(cmd, env=env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts each worker in a session of its own, so a process group
+    does not cover them)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return out
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process and everything it started, all at once (a node dying), then reap it."""
+    if proc.poll() is not None:
+        return  # reaped: its pid may belong to someone else by now
+    for pid in reversed(_tree(proc.pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def run(cmd: list[str], log: Path, timeout_s: float = 300.0) -> int:
+    proc = start(cmd, log)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(f"{cmd} did not finish in {timeout_s}s:\n{tail(log)}") from None
+
+
+def run_ok(cmd: list[str], log: Path, timeout_s: float = 300.0) -> None:
+    rc = run(cmd, log, timeout_s)
+    assert rc == 0, f"{cmd} exited with {rc}:\n{tail(log)}"
+
+
+def tail(log: Path, n: int = 4000) -> str:
+    return log.read_text(errors="replace")[-n:] if log.exists() else "(no log)"
+
+
+def metrics(layout: RunLayout) -> list[dict[str, Any]]:
+    """trainer.jsonl records; a line torn by a SIGKILL is skipped."""
+    out = []
+    path = layout.metrics_file("trainer")
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def wait_for(cond: Any, timeout_s: float, what: str, poll_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def trainer_state(layout: RunLayout, step: int) -> dict[str, Any]:
+    return json.loads((layout.checkpoint(step) / "trainer_state.json").read_text())
+
+
+def checkpoint_tensors(layout: RunLayout, step: int, scratch: Path) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint with dotted names (``actor.optim.state.<param>.step``...)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = scratch / f"ckpt-{step}.pt"
+    dcp_to_torch_save(str(layout.checkpoint(step)), str(out))
+    flat: dict[str, Any] = {}
+
+    def walk(d: dict[str, Any], prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+
+    walk(torch.load(out, weights_only=False), "")
+    out.unlink()
+    return flat
+
+
+def adam_steps(tensors: dict[str, Any], part: str) -> set[int]:
+    """The distinct optimizer step counts of one part (one value when every parameter was updated alike)."""
+    return {
+        int(v) for k, v in tensors.items() if k.startswith(f"{part}.optim.state.") and k.endswith(".step")
+    }
+
+
+def safetensors_dir(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
