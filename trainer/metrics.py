@@ -52,9 +52,10 @@ class MetricSink:
 def step_line(step: int, m: dict[str, Any]) -> str:
     """The fixed-field console line of a step (PPO runs add the critic's error)."""
     value = f"value mse {m['value_mse']:.4f} | " if "value_mse" in m else ""
+    entropy = f"{m['entropy']:.3f}" if "entropy" in m else "-"
     return (
         f"step {step} | reward {m.get('reward_mean', 0):.3f} | kl {m.get('kl_ref', 0):.4f} | "
-        f"entropy {m.get('entropy', 0):.3f} | clip {m.get('clip_frac', 0):.3f} | {value}"
+        f"entropy {entropy} | clip {m.get('clip_frac', 0):.3f} | {value}"
         f"stale {m.get('staleness_mean', 0):.2f} (dropped {m.get('dropped_stale', 0)}) "
         f"| {m.get('tokens_per_s', 0):.0f} tok/s | wait {100 * m.get('wait_frac', 0):.0f}%"
     )

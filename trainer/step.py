@@ -277,15 +277,15 @@ def _microbatch_loss(
     cfg: ShardRLConfig, models: Models, b: Batch, counts: tuple[float, float]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a = cfg.algorithm
-    logp, ent = _logp(models.actor, b, cfg, with_entropy=True)
+    # The entropy is computed only when it is in the loss: inside the checkpointed LM-head chunks it would otherwise
+    # be recomputed in backward just for a metric (measured: ~4% of a 1.5B step on H200).
+    logp, ent = _logp(models.actor, b, cfg, with_entropy=a.entropy_coef > 0)
     mask = b["response_mask"]
     loss, m = _policy_terms(cfg, logp, b, b.get("prox_logp", logp.detach()), counts)
     if a.entropy_coef > 0:
         ent_loss, em = ppo.entropy_bonus(ent, mask, a.entropy_coef, a.loss_agg, *counts)
         loss = loss + ent_loss
         m.update(em)
-    else:  # a metric only: keep the entropy out of the graph
-        m["entropy"] = ppo.masked_mean(ent.detach(), mask)
     if "ref_logp" in b and a.kl_mode == "loss":
         kl_loss, km = ppo.kl_loss(logp, b["ref_logp"], mask, a.kl_coef, a.kl_estimator, a.loss_agg, *counts)
         loss = loss + kl_loss
