@@ -24,36 +24,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shapes import SHAPES
 
-PRESETS = {
-    "tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        vocab_size=300,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-}
+PRESETS = {k: SHAPES[k] for k in ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

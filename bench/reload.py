@@ -26,27 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shapes import SHAPES
 
-PRESETS = {
-    "qwen2-0.1b": dict(
-        hidden_size=512,
-        num_hidden_layers=12,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=2816,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2-0.5b": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-}
+PRESETS = {"qwen2-0.1b": SHAPES["qwen2-0.1b"], "qwen2-0.5b": SHAPES["qwen2.5-0.5b"]}
 
 
 def build_model(out: Path, preset: str, dtype: str) -> Path:

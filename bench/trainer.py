@@ -30,28 +30,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shapes import SHAPES
 
 PEAK_BF16_FLOPS = 989e12  # per H200, dense
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        vocab_size=300,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-}
+PRESETS: dict[str, dict[str, Any]] = {k: SHAPES[k] for k in ("tiny", "qwen2.5-1.5b")}
 DEFAULT_SHAPE = {
     "tiny": (4, 128, 32),
     "qwen2.5-1.5b": (8, 2048, 512),

@@ -46,7 +46,12 @@ def _absolutize(cfg: ShardRLConfig) -> ShardRLConfig:
     data = cfg.model_dump(mode="json")
     if data["model"]["path"] not in TINY:
         data["model"]["path"] = str(Path(data["model"]["path"]).absolute())
-    for section, key in (("model", "tokenizer"), ("data", "prompts_file"), ("reward", "reward_model")):
+    for section, key in (
+        ("model", "tokenizer"),
+        ("data", "prompts_file"),
+        ("reward", "reward_model"),
+        ("trainer", "critic_path"),
+    ):
         if data[section][key]:
             data[section][key] = str(Path(data[section][key]).absolute())
     return ShardRLConfig.model_validate(data)
