@@ -218,6 +218,8 @@ def _check_flaky_reward_and_damaged_version(run: Run, model_dir: Path, proc: Any
 
     # a damaged version 2: skipped with one log line, retried, and the worker goes on generating with v1
     _publish_perturbed(run, model_dir, 2, damaged=True)
+    # the worker sees v2 at its next LATEST poll, which may come after a batch or two more of v1
+    wait_for("the damaged v2 to be skipped", lambda: "weights v2 skipped" in log.read_text(), timeout=60)
     before = len([r for r in ready_rows(run) if r["policy_version"] == 1])
     wait_for("more samples of v1", lambda: _rows(run, 1, before + 16, proc, log), timeout=60)
     w = worker(run, "w0")
