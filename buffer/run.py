@@ -75,13 +75,25 @@ def _with_model_facts(layout: RunLayout, cfg: ShardRLConfig) -> ShardRLConfig:
 
 
 def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
-    """Create the run directory (idempotent for the same config; refuses a conflicting one)."""
+    """Create the run directory (idempotent for the same config; refuses a conflicting one).
+
+    Two `shardrl init` of one run at once (a job array, a demo started twice) are serialised by a lock file: they
+    would otherwise both build the tiny model.  flock works across nodes on NFS/Lustre only with locking enabled; the
+    files themselves are still created exclusively, so without it the loser fails cleanly instead of corrupting.
+    """
+    from filelock import FileLock
+
     layout = RunLayout.of(root)
-    cfg = _absolutize(cfg)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(layout.root / ".init.lock")):
+        return _init_locked(layout, _absolutize(cfg))
+
+
+def _init_locked(layout: RunLayout, cfg: ShardRLConfig) -> Run:
+    root = layout.root
     if cfg.model.path in TINY and not (layout.base_model / "config.json").exists():
         from .tiny_model import build_tiny_model
 
-        layout.root.mkdir(parents=True, exist_ok=True)
         build_tiny_model(
             layout.base_model,
             tied=cfg.model.path == "tiny-tied",
