@@ -164,7 +164,14 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     return load_toml(DEMO_CONFIG, extra)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    # Ctrl-C and SIGTERM both stop the children cleanly (an inherited "ignore SIGINT" must not make Ctrl-C a no-op)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     layout = RunLayout.of(args.run)
     run = (
         open_run(layout.root) if layout.run_json.exists() else init_run(layout.root, _config(args, overrides))

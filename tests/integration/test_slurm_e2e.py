@@ -67,11 +67,11 @@ def _consumed_once(layout: RunLayout) -> int:
     return len(seen)
 
 
-@pytest.fixture()
-def run_dir(tmp_path: Path) -> Path:
+def _make_run(tmp_path: Path, **extra: str) -> Path:
     cfg = load_toml(
         ROOT / "deploy" / "configs" / "demo.toml",
         {
+            **extra,
             "rollout.engine": "hf",
             "rollout.prompts_per_batch": "8",
             "rollout.shard_samples": "32",
@@ -90,13 +90,22 @@ def run_dir(tmp_path: Path) -> Path:
     return run
 
 
-def test_rollout_and_trainer_jobs_together(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
-    layout = RunLayout.of(run_dir)
-    env = {
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    return _make_run(tmp_path)
+
+
+def _job_env() -> dict[str, str]:
+    return {
         "SHARDRL_PYTHON": sys.executable,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PYTHONPATH": str(ROOT),
     }
+
+
+def test_rollout_and_trainer_jobs_together(slurm_cluster: SlurmCluster, run_dir: Path) -> None:
+    layout = RunLayout.of(run_dir)
+    env = _job_env()
     out = run_dir / "logs"
     trainer = slurm_cluster.sbatch(
         [
@@ -195,3 +204,32 @@ def test_rollout_and_trainer_jobs_together(slurm_cluster: SlurmCluster, run_dir:
     slurm_cluster.wait_state(trainer, DONE, timeout=60)
     _wait(lambda: not _rollout_pids(run_dir), "rollout processes to exit", 30, out)
     _all_ready_shards_valid(layout)
+
+
+def test_both_roles_in_one_allocation(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """deploy/train_ppo_slurm.sh: the first node trains, the second rolls out; the job ends with the trainer."""
+    run_dir = _make_run(tmp_path, **{"trainer.max_steps": "3"})
+    layout = RunLayout.of(run_dir)
+    out = run_dir / "logs"
+    job = slurm_cluster.sbatch(
+        [
+            "--partition=cheap",
+            "--nodes=2",
+            f"--output={out}/sbatch-ppo-%j.out",
+            str(ROOT / "deploy/train_ppo_slurm.sh"),
+            str(run_dir),
+        ],
+        _job_env(),
+    )
+    states = slurm_cluster.wait_state(job, DONE, timeout=400)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(out.glob("*")))
+    assert states == ["COMPLETED"], logs
+    trainer = read_trainer(layout) or {}
+    assert trainer.get("step") == 3 and trainer.get("state") == "stopped", logs
+    assert weights.latest_version(layout) == 3
+    assert sorted(plans.valid_plans(layout)) == [1, 2, 3]
+    _consumed_once(layout)
+    assert {w.get("state") for w in read_workers(layout)} <= {"stopped"}, read_workers(layout)
+    _wait(lambda: not _rollout_pids(run_dir), "rollout processes to exit", 30, out)
+    assert _all_ready_shards_valid(layout) >= 1
+    assert not any(layout.shards_tmp.iterdir())
