@@ -23,11 +23,22 @@ mkdir -p "$RUN/logs"
 echo "rollout job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-$(hostname)}: run $RUN"
 
 # One supervisor per node; each counts the GPUs Slurm gave its node (CUDA_VISIBLE_DEVICES) as its worker slots.
-srun --ntasks-per-node=1 --kill-on-bad-exit=0 --output="$RUN/logs/rollout-%j-%N.log" \
+srun --job-name=shardrl-rollout --ntasks-per-node=1 --kill-on-bad-exit=0 --output="$RUN/logs/rollout-%j-%N.log" \
     "$PYTHON" -m rollout_worker --run "$RUN" "$@" &
 step=$!
 
-# Forward TERM/INT to the job step (srun relays it to every supervisor) and wait for their drain.
-forward() { kill -TERM "$step" 2>/dev/null || true; wait "$step" || true; exit 0; }
+# Signal the tasks of our job step by name (scancel --signal delivers it without cancelling the step); signalling
+# srun itself would cancel the step and SIGKILL the tasks after KillWait, cutting a drain short.
+signal_step() {
+    local ids
+    ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2>/dev/null | awk -v n="$1" '$2 == n {print $1}')
+    if [ -n "$ids" ]; then
+        for id in $ids; do scancel --signal=TERM "$id" 2>/dev/null || true; done
+    else
+        kill -TERM "$2" 2>/dev/null || true
+    fi
+}
+# Forward TERM/INT to every supervisor of the job step and wait for their drain.
+forward() { signal_step shardrl-rollout "$step"; wait "$step" || true; exit 0; }
 trap forward TERM INT
 wait "$step"

@@ -32,16 +32,32 @@ PORT=$((29500 + SLURM_JOB_ID % 1000))
 NPROC=${SLURM_GPUS_ON_NODE:-1}
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null || NPROC=${SHARDRL_CPU_RANKS:-1}
 
-srun --nodes="$TRAIN_NODES" --nodelist="$TRAIN" --ntasks-per-node=1 --output="$RUN/logs/trainer-%j-%N.log" \
+# Explicit --ntasks: inside the allocation srun would otherwise inherit the job's task count for each step.
+ROLL_NODES=$(( ${#NODES[@]} - TRAIN_NODES ))
+srun --job-name=shardrl-train --nodes="$TRAIN_NODES" --ntasks="$TRAIN_NODES" --nodelist="$TRAIN" --ntasks-per-node=1 --output="$RUN/logs/trainer-%j-%N.log" \
     "$PYTHON" -m torch.distributed.run --nnodes="$TRAIN_NODES" --nproc_per_node="$NPROC" \
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD_ADDR:$PORT" --rdzv_id="$SLURM_JOB_ID" -m trainer --run-dir "$RUN" &
 train=$!
-srun --nodes=$(( ${#NODES[@]} - TRAIN_NODES )) --nodelist="$ROLL" --ntasks-per-node=1 \
+srun --job-name=shardrl-rollout --nodes="$ROLL_NODES" --ntasks="$ROLL_NODES" --nodelist="$ROLL" --ntasks-per-node=1 \
     --output="$RUN/logs/rollout-%j-%N.log" "$PYTHON" -m rollout_worker --run "$RUN" "$@" &
 roll=$!
-forward() { kill -TERM "$train" "$roll" 2>/dev/null || true; wait || true; exit 0; }
+# Signal the tasks of our job step by name (scancel --signal delivers it without cancelling the step); signalling
+# srun itself would cancel the step and SIGKILL the tasks after KillWait, cutting a drain short.
+signal_step() {
+    local ids
+    ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2>/dev/null | awk -v n="$1" '$2 == n {print $1}')
+    if [ -n "$ids" ]; then
+        for id in $ids; do scancel --signal=TERM "$id" 2>/dev/null || true; done
+    else
+        kill -TERM "$2" 2>/dev/null || true
+    fi
+}
+forward() { signal_step shardrl-train "$train"; signal_step shardrl-rollout "$roll"; wait || true; exit 0; }
 trap forward TERM INT
-# The run ends when the trainer does (max steps reached); then the rollout fleet is drained.
-wait "$train" || true
-kill -TERM "$roll" 2>/dev/null || true
+# The run ends when the trainer does (max steps reached); then the rollout fleet is drained.  The job's exit status
+# is the trainer's.
+rc=0
+wait "$train" || rc=$?
+signal_step shardrl-rollout "$roll"
 wait "$roll" || true
+exit "$rc"

@@ -40,11 +40,23 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 echo "trainer job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): ${#NODES[@]} node(s) x $NPROC rank(s), rendezvous $HEAD_ADDR:$PORT"
 
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$RUN/logs/trainer-%j-%N.log" --open-mode=append \
+srun --job-name=shardrl-train --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$RUN/logs/trainer-%j-%N.log" --open-mode=append \
     "$PYTHON" -m torch.distributed.run --nnodes="${#NODES[@]}" --nproc_per_node="$NPROC" \
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD_ADDR:$PORT" --rdzv_id="$SLURM_JOB_ID" \
     -m trainer --run-dir "$RUN" "$@" &
 step=$!
-forward() { kill -TERM "$step" 2>/dev/null || true; wait "$step" || true; exit 0; }
+# Signal the tasks of our job step by name (scancel --signal delivers it without cancelling the step); signalling
+# srun itself would cancel the step and SIGKILL the tasks after KillWait, cutting a drain short.
+signal_step() {
+    local ids
+    ids=$(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" 2>/dev/null | awk -v n="$1" '$2 == n {print $1}')
+    if [ -n "$ids" ]; then
+        for id in $ids; do scancel --signal=TERM "$id" 2>/dev/null || true; done
+    else
+        kill -TERM "$2" 2>/dev/null || true
+    fi
+}
+# TERM/INT: torchrun passes it to the ranks, which finish the step, checkpoint and exit.
+forward() { signal_step shardrl-train "$step"; wait "$step" || true; exit 0; }
 trap forward TERM INT
 wait "$step"
