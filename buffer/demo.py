@@ -25,7 +25,7 @@ from . import heartbeats, weights
 from .config import load_toml
 from .control import read_state, write_command
 from .layout import RunLayout
-from .report import read_jsonl, write_report
+from .report import last_record, read_jsonl, write_report
 from .run import Run, init_run, open_run
 from .tasks import first_digit, task_prompts
 
@@ -49,7 +49,8 @@ class Evaluator(threading.Thread):
 
         torch.set_num_threads(1)
         _quiet_transformers()
-        path = self.job.model_dir if version == 0 else weights.verify_version(self.job.layout, version).path
+        published = weights.verify_version(self.job.layout, version) if version else None
+        path = published.path if published else self.job.model_dir
         tok = AutoTokenizer.from_pretrained(str(self.job.tokenizer_dir))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         prompts = task_prompts(self.job.config.data.task)
@@ -60,7 +61,7 @@ class Evaluator(threading.Thread):
             out = model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=pad)
         texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         correct = sum(first_digit(t) == p.answer for t, p in zip(texts, prompts, strict=True))
-        step = int(weights.verify_version(self.job.layout, version).step) if version else 0
+        step = published.step if published else 0
         return {"version": version, "step": step, "accuracy": correct / len(prompts), "time": time.time()}
 
     def run(self) -> None:  # thread body
@@ -122,8 +123,7 @@ def _view(run: Run, ev: Evaluator, t0: float, target: int, trainer_alive: bool) 
 
     layout = run.layout
     tr = heartbeats.read_trainer(layout) or {}
-    last = read_jsonl(layout.metrics_file("trainer"))[-1:] or [{}]
-    m = last[0]
+    m = last_record(layout.metrics_file("trainer"))
     acc = ev.results[-1] if ev.results else None
     t = Table(
         title=f"shardrl demo — {layout.root}  ({time.monotonic() - t0:.0f} s)",

@@ -26,6 +26,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def last_record(path: Path, tail_bytes: int = 65536) -> dict[str, Any]:
+    """The last complete record of a JSONL file, reading only its tail (the live view polls it twice a second)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return {}
+    for line in reversed(lines):
+        try:
+            return dict(json.loads(line))
+        except ValueError:
+            continue  # a line being appended, or cut by the seek
+    return {}
+
+
 def _trainer_plot(plt: Any, layout: RunLayout, trainer: list[dict], evals: list[dict]) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if trainer:
@@ -70,14 +86,10 @@ def _staleness_plot(plt: Any, layout: RunLayout) -> Path:
 def _rollout_plot(plt: Any, layout: RunLayout) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     files = sorted(layout.metrics.glob("rollout-*.jsonl")) if layout.metrics.is_dir() else []
-    t0 = min((r["time"] for f in files for r in read_jsonl(f)[:1]), default=0.0)
-    for f in files:
-        recs = read_jsonl(f)
-        ax.plot(
-            [r["time"] - t0 for r in recs],
-            [r.get("tokens_per_s", 0) for r in recs],
-            label=f.stem.removeprefix("rollout-"),
-        )
+    per_worker = {f.stem.removeprefix("rollout-"): read_jsonl(f) for f in files}
+    t0 = min((recs[0]["time"] for recs in per_worker.values() if recs), default=0.0)
+    for worker, recs in per_worker.items():
+        ax.plot([r["time"] - t0 for r in recs], [r.get("tokens_per_s", 0) for r in recs], label=worker)
     ax.set(
         xlabel="time since first batch (s)",
         ylabel="generated tokens/s",
