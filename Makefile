@@ -24,6 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 test: lint
 	$(BIN)/python -m pytest -q tests

@@ -33,7 +33,7 @@ PRESETS = {"qwen2-0.1b": SHAPES["qwen2-0.1b"], "qwen2-0.5b": SHAPES["qwen2.5-0.5
 
 def build_model(out: Path, preset: str, dtype: str) -> Path:
     """The tiny model, or a random model with a preset's shapes next to the tiny tokenizer."""
-    from buffer.tiny_model import build_tiny_model
+    from shardrl.tiny_model import build_tiny_model
 
     if preset in ("tiny", "tiny-tied"):
         return build_tiny_model(out, tied=preset == "tiny-tied")
@@ -79,9 +79,9 @@ def raw_read_s(files: list[Path]) -> float:
 
 def bench_one(root: Path, preset: str, dtype: str, repeat: int) -> dict[str, float]:
     from buffer.config import ShardRLConfig
-    from buffer.run import init_run
     from buffer.weights import verify_version
     from rollout_worker.engines import SamplingSpec, make_engine
+    from shardrl.runs import init_run
 
     model_dir = build_model(root / preset, preset, dtype)
     run = init_run(

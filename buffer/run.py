@@ -1,4 +1,4 @@
-"""Creating and opening a run directory: run.json, the resolved config and the base model.
+"""Creating and opening a run directory: run.json and the resolved config.
 
 ``shardrl init`` is the only writer of run.json and config.json; every later process opens the run and reads its
 config from there (``open_run``), with per-process overrides only.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,14 @@ def _with_model_facts(layout: RunLayout, cfg: ShardRLConfig) -> ShardRLConfig:
     return cfg
 
 
-def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
+BaseModelBuilder = Callable[[RunLayout, ShardRLConfig], None]
+
+
+def init_run(root: str | Path, cfg: ShardRLConfig, build_base_model: BaseModelBuilder | None = None) -> Run:
     """Create the run directory (idempotent for the same config; refuses a conflicting one).
+
+    ``build_base_model`` is called (under the lock) when the config names the built-in tiny model and the run has
+    none yet; the contract knows where the base model lives, the application knows how to build one.
 
     Two `shardrl init` of one run at once (a job array, a demo started twice) are serialised by a lock file: they
     would otherwise both build the tiny model.  flock works across nodes on NFS/Lustre only with locking enabled; the
@@ -86,20 +93,17 @@ def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
     layout = RunLayout.of(root)
     layout.root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(layout.root / ".init.lock")):
-        return _init_locked(layout, _absolutize(cfg))
+        return _init_locked(layout, _absolutize(cfg), build_base_model)
 
 
-def _init_locked(layout: RunLayout, cfg: ShardRLConfig) -> Run:
+def _init_locked(layout: RunLayout, cfg: ShardRLConfig, build_base_model: BaseModelBuilder | None) -> Run:
     root = layout.root
     if cfg.model.path in TINY and not (layout.base_model / "config.json").exists():
-        from .tiny_model import build_tiny_model
-
-        build_tiny_model(
-            layout.base_model,
-            tied=cfg.model.path == "tiny-tied",
-            seed=cfg.run.seed,
-            init_std=cfg.model.tiny_init_std,
-        )
+        if build_base_model is None:
+            raise ConfigError(
+                f"config: field model.path is {cfg.model.path!r}; the built-in tiny model is built by `shardrl init`"
+            )
+        build_base_model(layout, cfg)
     cfg = _with_model_facts(layout, cfg)
     resolved = cfg.model_dump(mode="json")
     existing = read_json_or_none(layout.config_json)

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from buffer.config import DataConfig
-from buffer.tasks import task_prompts
+
+from .tasks import task_prompts
 
 
 class PromptError(ValueError):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from buffer.tasks import digit_reward
+from .tasks import digit_reward
 
 RewardFn = Callable[[str, str, str | None], float]
 

@@ -281,6 +281,7 @@ class Supervisor:
         args = [a for k, v in self.overrides.items() for a in (f"--{k}", v)]
         cmd = [
             sys.executable,
+            "-P",
             "-m",
             "rollout_worker.worker",
             "--run",

@@ -16,7 +16,8 @@ import pyarrow as pa
 
 from buffer import heartbeats, shards
 from buffer.config import ShardRLConfig
-from buffer.run import Run, init_run
+from buffer.run import Run
+from shardrl.runs import init_run
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")

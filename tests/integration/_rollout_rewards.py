@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from buffer.tasks import digit_reward
+from rollout_worker.tasks import digit_reward
 
 
 def flaky(prompt: str, response: str, answer: str | None) -> float:

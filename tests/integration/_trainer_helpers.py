@@ -16,7 +16,7 @@ from typing import Any
 
 from buffer.config import apply_overrides, validate
 from buffer.layout import RunLayout
-from buffer.run import init_run, open_run
+from shardrl.runs import init_run, open_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def make_run(root: Path, model: Path, **overrides: Any) -> RunLayout:
 
 
 def synth(layout: RunLayout, shards: int, samples: int, seed: int = 0) -> None:
-    from buffer.synth import synth_shards
+    from shardrl.synth import synth_shards
 
     synth_shards(open_run(layout.root), shards, samples, seed=seed)
 

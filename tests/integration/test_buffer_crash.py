@@ -48,7 +48,7 @@ def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     layout.config_json.write_text(ShardRLConfig().model_dump_json())
     leftovers = list(layout.shards_tmp.iterdir())
     check = subprocess.run(
-        [sys.executable, "-m", "buffer.cli", "fsck", str(layout.root)],
+        [sys.executable, "-m", "shardrl.cli", "fsck", str(layout.root)],
         env=env,
         capture_output=True,
         text=True,
@@ -56,14 +56,14 @@ def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     if leftovers:
         assert check.returncode == 1 and "abandoned temporary" in check.stdout
     rep = subprocess.run(
-        [sys.executable, "-m", "buffer.cli", "fsck", str(layout.root), "--repair"],
+        [sys.executable, "-m", "shardrl.cli", "fsck", str(layout.root), "--repair"],
         env=env,
         capture_output=True,
         text=True,
     )
     assert list(layout.shards_tmp.iterdir()) == []
     again = subprocess.run(
-        [sys.executable, "-m", "buffer.cli", "fsck", str(layout.root)],
+        [sys.executable, "-m", "shardrl.cli", "fsck", str(layout.root)],
         env=env,
         capture_output=True,
         text=True,

@@ -14,11 +14,11 @@ from buffer import control, shards
 from buffer.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "deploy" / "configs" / "demo.toml"
+DEMO = ROOT / "shardrl" / "configs" / "demo.toml"
 
 
 def shardrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "buffer.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "shardrl.cli", *args], cwd=ROOT, capture_output=True, text=True)
     if check and p.returncode != 0:
         raise AssertionError(f"shardrl {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
     return p
@@ -32,7 +32,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from buffer import cli\ntry:\n cli.main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+    code = "import sys; from shardrl import cli\ntry:\n cli.main(['--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout
     assert out.strip().endswith("False")
 

@@ -182,7 +182,7 @@ def test_tiny_model_loads_in_transformers(tiny_model_untied: Path, tiny_model_ti
 
 
 def test_tiny_model_is_deterministic(tmp_path: Path, tiny_model_tied: Path) -> None:
-    from buffer.tiny_model import build_tiny_model
+    from shardrl.tiny_model import build_tiny_model
 
     again = build_tiny_model(tmp_path / "again", tied=True, seed=0)
     other = build_tiny_model(tmp_path / "other", tied=True, seed=1)

@@ -23,7 +23,7 @@ from buffer import control, plans, shards, weights
 from buffer.config import load_toml
 from buffer.heartbeats import LIVE_STATES, read_trainer, read_workers
 from buffer.layout import RunLayout
-from buffer.run import init_run
+from shardrl.runs import init_run
 
 from .slurm_cluster import SlurmCluster
 
@@ -69,7 +69,7 @@ def _consumed_once(layout: RunLayout) -> int:
 
 def _make_run(tmp_path: Path, **extra: str) -> Path:
     cfg = load_toml(
-        ROOT / "deploy" / "configs" / "demo.toml",
+        ROOT / "shardrl" / "configs" / "demo.toml",
         {
             **extra,
             "rollout.engine": "hf",
@@ -150,7 +150,7 @@ def test_rollout_and_trainer_jobs_together(slurm_cluster: SlurmCluster, run_dir:
     )
     sups = json.loads(
         subprocess.run(
-            [sys.executable, "-m", "buffer.cli", "status", str(run_dir), "--json"],
+            [sys.executable, "-m", "shardrl.cli", "status", str(run_dir), "--json"],
             capture_output=True,
             text=True,
             cwd=ROOT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from buffer.report import last_record, read_jsonl
+from shardrl.report import last_record, read_jsonl
 
 
 def test_last_record_skips_a_line_being_appended(tmp_path):

