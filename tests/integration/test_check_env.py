@@ -22,7 +22,7 @@ LINE = re.compile(r"^(PASS|FAIL|SKIP) \[(\S+)\] ([a-z-]+): (.*)$")
 def _run(run_dir: Path) -> tuple[int, dict[str, tuple[str, str]]]:
     res = subprocess.run(
         [str(SCRIPT), str(run_dir)],
-        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "CHECK_ENV_WAIT": "5"},
+        env={"PATH": "/usr/bin:/bin", "SHARDRL_PYTHON": sys.executable, "CHECK_ENV_WAIT": "5"},
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -64,7 +64,7 @@ def _srun_check_env(cluster: SlurmCluster, tmp_path: Path, python: str) -> tuple
     out = tmp_path / "out.txt"
     job = cluster.sbatch(
         ["--nodes=2", f"--chdir={REPO}", f"--output={out}", str(job_script)],
-        env={"PYTHON": python, "CHECK_ENV_WAIT": "30"},
+        env={"SHARDRL_PYTHON": python, "CHECK_ENV_WAIT": "30"},
     )
     states = cluster.wait_state(job, ("COMPLETED", "FAILED"), timeout=120)
     return states[0], out.read_text().splitlines()
