@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.shardrl-installed
 RUN ?= runs/demo
 
-.PHONY: install demo test lint typecheck unit clean
+.PHONY: install install-gpu demo test lint typecheck unit clean
 
 install: $(STAMP)
 
@@ -19,6 +19,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(BIN)/python -c "import transformers, vllm, pyarrow; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)
+
+# A GPU node: the CUDA build of vLLM (and its torch) instead of the CPU one; no stamp, run it once per environment.
+install-gpu:
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[gpu,dev]'
+	$(BIN)/python -c "import torch, vllm; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__)"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

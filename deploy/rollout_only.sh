@@ -19,6 +19,9 @@ set -euo pipefail
 RUN=${1:?usage: sbatch deploy/rollout_only.sh RUN [--section.key value ...]}
 shift
 PYTHON=${SHARDRL_PYTHON:-python3}
+# Safe-path mode (also for the processes torchrun and the supervisor start): a `trainer.py` or `buffer/` in the
+# directory the job starts from must not shadow the installed project.
+export PYTHONSAFEPATH=1
 mkdir -p "$RUN/logs"
 echo "rollout job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-$(hostname)}: run $RUN"
 

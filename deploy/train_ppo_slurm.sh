@@ -1,7 +1,7 @@
 #!/bin/bash
 # Both roles in one allocation: the first SHARDRL_TRAIN_NODES node(s) train, the rest roll out.
 #
-#   sbatch --nodes=N [--partition=P --gres=gpu:G --time=T] deploy/train_ppo_slurm.sh RUN [--section.key value ...]
+#   sbatch --nodes=N [--partition=P --gres=gpu:G --time=T] deploy/train_ppo_slurm.sh RUN [--max-steps N] [--trainer.key V] [--rollout.key V]
 #
 # The two roles still meet only in RUN; either may be restarted alone with trainer_only.sh / rollout_only.sh.
 #SBATCH --job-name=shardrl-ppo
@@ -15,7 +15,23 @@ set -euo pipefail
 RUN=${1:?usage: sbatch deploy/train_ppo_slurm.sh RUN [--section.key value ...]}
 shift
 PYTHON=${SHARDRL_PYTHON:-python3}
+# Safe-path mode (also for the processes torchrun and the supervisor start): a `trainer.py` or `buffer/` in the
+# directory the job starts from must not shadow the installed project.
+export PYTHONSAFEPATH=1
 TRAIN_NODES=${SHARDRL_TRAIN_NODES:-1}
+# Overrides go to the process they configure: --trainer.* and --max-steps to the trainer, --rollout.* to the rollout
+# supervisors (each refuses the other's keys); anything else is a run-wide key, fixed by `shardrl init`.
+TRAIN_ARGS=()
+ROLL_ARGS=()
+while [ $# -gt 0 ]; do
+    case $1 in
+    --trainer.*=* | --max-steps=*) TRAIN_ARGS+=("$1"); shift ;;
+    --trainer.* | --max-steps) TRAIN_ARGS+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
+    --rollout.*=*) ROLL_ARGS+=("$1"); shift ;;
+    --rollout.*) ROLL_ARGS+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
+    *) echo "train_ppo_slurm.sh: $1 is neither a --trainer.* nor a --rollout.* override (run-wide keys are set by shardrl init)" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$RUN/logs"
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 if [ "${#NODES[@]}" -le "$TRAIN_NODES" ]; then
@@ -36,10 +52,10 @@ NPROC=${SLURM_GPUS_ON_NODE:-1}
 ROLL_NODES=$(( ${#NODES[@]} - TRAIN_NODES ))
 srun --job-name=shardrl-train --nodes="$TRAIN_NODES" --ntasks="$TRAIN_NODES" --nodelist="$TRAIN" --ntasks-per-node=1 --output="$RUN/logs/trainer-%j-%N.log" \
     "$PYTHON" -m torch.distributed.run --nnodes="$TRAIN_NODES" --nproc_per_node="$NPROC" \
-    --rdzv_backend=c10d --rdzv_endpoint="$HEAD_ADDR:$PORT" --rdzv_id="$SLURM_JOB_ID" -m trainer --run-dir "$RUN" &
+    --rdzv_backend=c10d --rdzv_endpoint="$HEAD_ADDR:$PORT" --rdzv_id="$SLURM_JOB_ID" -m trainer --run-dir "$RUN" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"} &
 train=$!
 srun --job-name=shardrl-rollout --nodes="$ROLL_NODES" --ntasks="$ROLL_NODES" --nodelist="$ROLL" --ntasks-per-node=1 \
-    --output="$RUN/logs/rollout-%j-%N.log" "$PYTHON" -m rollout_worker --run "$RUN" "$@" &
+    --output="$RUN/logs/rollout-%j-%N.log" "$PYTHON" -m rollout_worker --run "$RUN" ${ROLL_ARGS[@]+"${ROLL_ARGS[@]}"} &
 roll=$!
 # Signal the tasks of our job step by name (scancel --signal delivers it without cancelling the step); signalling
 # srun itself would cancel the step and SIGKILL the tasks after KillWait, cutting a drain short.

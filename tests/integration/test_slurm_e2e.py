@@ -208,8 +208,10 @@ def test_rollout_and_trainer_jobs_together(slurm_cluster: SlurmCluster, run_dir:
 
 
 def test_both_roles_in_one_allocation(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    """deploy/train_ppo_slurm.sh: the first node trains, the second rolls out; the job ends with the trainer."""
-    run_dir = _make_run(tmp_path, **{"trainer.max_steps": "3"})
+    """deploy/train_ppo_slurm.sh: the first node trains, the second rolls out; the job ends with the trainer.
+
+    The step budget is given on the sbatch line: trainer overrides must reach the trainer, rollout ones the fleet."""
+    run_dir = _make_run(tmp_path)
     layout = RunLayout.of(run_dir)
     out = run_dir / "logs"
     job = slurm_cluster.sbatch(
@@ -219,6 +221,9 @@ def test_both_roles_in_one_allocation(slurm_cluster: SlurmCluster, tmp_path: Pat
             f"--output={out}/sbatch-ppo-%j.out",
             str(ROOT / "deploy/train_ppo_slurm.sh"),
             str(run_dir),
+            "--max-steps",
+            "3",
+            "--rollout.drain_deadline_s=15",
         ],
         _job_env(),
     )
