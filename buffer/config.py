@@ -211,7 +211,15 @@ class TrainerConfig(_Section):
         ge=1,
         description="Optimizer updates per step (the step's samples split into this many mini-batches).",
     )
-    max_tokens_per_microbatch: int = Field(8192, ge=16, description="Token budget of one micro-batch.")
+    max_tokens_per_microbatch: int = Field(
+        8192,
+        ge=16,
+        description="Token budget of one micro-batch: real tokens when packing, rows x longest row otherwise.",
+    )
+    packing: bool = Field(
+        True,
+        description="Pack each micro-batch's sequences into one row without padding (false = right-padded rows).",
+    )
     max_staleness: int = Field(
         4, ge=0, description="Samples more versions behind than this are dropped/kept."
     )

@@ -3,8 +3,13 @@
 Rank 0 plans each step from the ready shards through the consumption log (``buffer.plans``): whole GRPO groups,
 oldest policy version first, too-stale groups dropped (and recorded as consumed) or kept per config.  The plan is
 written durably before the step runs; rank 0 then broadcasts the step's rows, every rank computes the same
-advantages and takes its token-balanced share (``assign_to_ranks``), cut into padded micro-batches (``microbatches``,
+advantages and takes its token-balanced share (``assign_to_ranks``), cut into micro-batches (``microbatches``,
 ``collate``).  Used by ``trainer/loop.py`` and ``trainer/step.py``; pure Python apart from ``collate``.
+
+Micro-batches are packed by default (``trainer.packing``): the model sees one row holding every sequence back to back,
+with positions restarting at 0 per sequence, so no compute is spent on padding and the token budget counts real
+tokens.  ``collate`` still returns the right-padded [B, T] layout as well: the losses, GAE and metrics work on it,
+and ``trainer.model.batch_logprobs``/``batch_values`` scatter the packed outputs back into it.
 """
 
 from __future__ import annotations
@@ -203,25 +208,39 @@ def assign_to_ranks(samples: list[Sample], world: int) -> list[list[Sample]]:
     return out
 
 
-def microbatches(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
-    """Length-sorted micro-batches whose padded size (rows x longest row) stays within ``max_tokens``."""
+def microbatches(samples: list[Sample], max_tokens: int, *, packed: bool = True) -> list[list[Sample]]:
+    """Length-sorted micro-batches within a budget of ``max_tokens``; a longer sample goes alone.
+
+    Packed micro-batches count real tokens (the sum of the lengths); padded ones count rows x longest row.
+    """
     out: list[list[Sample]] = []
     cur: list[Sample] = []
+    used = 0
     for s in sorted(samples, key=lambda s: s.length):
-        if cur and (len(cur) + 1) * s.length > max_tokens:
+        size = used + s.length if packed else (len(cur) + 1) * s.length
+        if cur and size > max_tokens:
             out.append(cur)
-            cur = []
+            cur, size = [], s.length
         cur.append(s)
+        used = size
     if cur:
         out.append(cur)
     return out
 
 
-def collate(batch: list[Sample], pad_id: int) -> dict[str, Any]:
-    """Right-padded tensors of one micro-batch.
+# Batch entries that stay on the host: Python-side sizes the attention splits on (a device copy would cost a sync).
+HOST_KEYS = frozenset({"packed_lens"})
+
+
+def collate(batch: list[Sample], pad_id: int, *, packed: bool = False) -> dict[str, Any]:
+    """Right-padded tensors of one micro-batch, plus the packed row when ``packed``.
 
     ``input_ids`` [B,T]; ``response_mask`` [B,T] marks positions whose token is a response token (the logprob at
     position t is that of ``input_ids[:, t]``); ``behaviour_logp`` and ``advantages`` are aligned with it.
+
+    Packed, it adds the same tokens as one row without padding: ``packed_ids`` and ``packed_positions`` [1,N]
+    (N real tokens; positions restart at 0 for each sequence), ``packed_index`` [N] (where each packed token sits in
+    the flattened [B*T] layout) and ``packed_lens`` [B'] (the lengths of the non-empty sequences, kept on the host).
     """
     import torch
 
@@ -241,7 +260,7 @@ def collate(batch: list[Sample], pad_id: int) -> dict[str, Any]:
         behaviour[i, p : p + r] = torch.tensor(s.response_logprobs)
         adv[i, p : p + r] = s.advantage
         rewards[i] = s.reward
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attn,
         "response_mask": mask,
@@ -249,3 +268,17 @@ def collate(batch: list[Sample], pad_id: int) -> dict[str, Any]:
         "advantages": adv,
         "rewards": rewards,
     }
+    if packed:
+        real = attn.bool()
+        lens = attn.sum(1)
+        # Right padding: the real tokens in row-major order are the sequences back to back.
+        out["packed_ids"] = input_ids[real].unsqueeze(0)
+        out["packed_positions"] = (attn.cumsum(1) - 1)[real].unsqueeze(0)
+        out["packed_index"] = real.flatten().nonzero().squeeze(1)
+        out["packed_lens"] = lens[lens > 0]
+    return out
+
+
+def batch_to(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+    """A collated micro-batch on ``device``, but for the host-side entries (``HOST_KEYS``)."""
+    return {k: v if k in HOST_KEYS else v.to(device) for k, v in batch.items()}

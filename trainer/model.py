@@ -12,6 +12,25 @@ never materialises a [tokens x vocab] fp32 tensor.  Parameter names below the wr
 
 Call ``trainer.dist.init()`` first: the builders shard over all ranks of the default process group, which exists
 also for a single process started without torchrun.
+
+Packed micro-batches (``trainer/data.py``) put a micro-batch's sequences back to back in one row, positions restarting
+at 0 per sequence, and attention must not cross a sequence boundary.  How that attention is computed decides whether
+packing saves anything, and it has to run on CPU (torch 2.13, transformers 5.19, the tests) and on the H200 image
+(torch 2.11, transformers 5.17, no flash-attn package):
+
+- transformers' own packing detection (``position_ids`` given, no ``attention_mask``; identical code in 5.17 and
+  5.19) hands ``flash_attention_2`` the sequence boundaries, but for ``sdpa`` and ``eager`` it builds a dense
+  [N, N] block-diagonal mask: N^2 memory, and attention computed over the whole row, which at a 16k-token row costs
+  about as much as the rest of a 1.5B model (measured on H200: 1.44 s against 0.92 s for flex attention);
+- ``flex_attention`` skips the masked blocks but compiles (Triton on GPU, a C++ toolchain on CPU) and recompiles as
+  row lengths change; ``torch.nn.attention.varlen`` is CUDA-only; flash-attn is not installed on the GPU image.
+
+So models on ``sdpa`` (transformers' default) are switched to ``PACKED_ATTENTION``: for padded batches it is
+transformers' SDPA unchanged; for a packed row it runs ``scaled_dot_product_attention(is_causal=True)`` on each
+sequence's slice.  That is exact (no mask, so the flash kernel on GPU), costs sum(n_i^2) rather than N^2, needs no
+compiler, and behaves the same on both stacks.  The per-sequence lengths travel as the ``packed_seq_lens`` keyword
+(a list of ints, so no device sync) down to every attention call.  Models on another implementation keep it and get
+transformers' own packing detection.
 """
 
 from __future__ import annotations
@@ -99,6 +118,121 @@ def reshard(model: nn.Module) -> None:
             m.reshard()
 
 
+# ----------------------------------------------------------------------------------------------- packed attention
+
+PACKED_ATTENTION = "shardrl_packed_sdpa"
+
+
+def _packed_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    packed_seq_lens: list[int] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, or causal SDPA per sequence of a packed row when ``packed_seq_lens`` is given.
+
+    ``query`` [1, heads, N, D] and ``key``/``value`` [1, kv heads, N, D] -> ([1, N, heads, D], None).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_seq_lens is None:
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout,
+            scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+    if sliding_window is not None:
+        raise ValueError(
+            "packed micro-batches do not support sliding-window attention; set trainer.packing = false"
+        )
+    if query.shape[0] != 1 or sum(packed_seq_lens) != query.shape[2]:
+        raise ValueError(
+            f"packed row of shape {tuple(query.shape)} does not hold sequences of {packed_seq_lens}"
+        )
+    parts = zip(
+        query.split(packed_seq_lens, 2),
+        key.split(packed_seq_lens, 2),
+        value.split(packed_seq_lens, 2),
+        strict=True,
+    )
+    outs = [
+        sdpa_attention_forward(module, q, k, v, None, dropout, scaling, is_causal=True)[0]
+        for q, k, v in parts
+    ]
+    return torch.cat(outs, dim=1), None
+
+
+def _padding_mask_only(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """SDPA's mask for padded rows; none for a packed row, whose boundaries ``_packed_sdpa`` applies itself (the
+    alternative is transformers' dense [N, N] mask, built from ``position_ids`` and then ignored)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None:
+        return None
+    return cast("torch.Tensor | None", sdpa_mask(*args, **kwargs))
+
+
+def use_packed_attention(model: Any) -> bool:
+    """Switch an HF model on SDPA to ``PACKED_ATTENTION`` (in place); True if the model now uses it.
+
+    Models on another implementation are left alone: flash attention and flex attention take packed rows from
+    ``position_ids`` themselves (eager then builds a dense mask, which is correct and slow).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    current = model.config._attn_implementation
+    if current == PACKED_ATTENTION:
+        return True
+    if current != "sdpa":
+        return False
+    AttentionInterface.register(PACKED_ATTENTION, _packed_sdpa)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _padding_mask_only)
+    model.set_attn_implementation(PACKED_ATTENTION)
+    return True
+
+
+def _packing_kwargs(
+    config: Any, position_ids: torch.Tensor | None, seq_lens: list[int] | None
+) -> dict[str, Any]:
+    """Extra keywords of an HF forward over a packed row (none for a padded batch)."""
+    if seq_lens is None:
+        return {}
+    if position_ids is None:
+        raise ValueError("a packed row needs position_ids that restart at 0 for each sequence")
+    if config._attn_implementation == PACKED_ATTENTION:
+        return {"packed_seq_lens": seq_lens}
+    return {}  # transformers finds the boundaries in position_ids
+
+
+def pack(x: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, T] in the padded layout of a collated micro-batch -> [1, N] in its packed row."""
+    return x.flatten()[batch["packed_index"]].unsqueeze(0)
+
+
+def unpack(x: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[1, N] in the packed row -> [B, T] in the padded layout, 0 on padding (differentiable)."""
+    shape = batch["input_ids"].shape
+    flat = x.new_zeros(shape.numel()).scatter(0, batch["packed_index"], x[0])
+    return flat.view(shape)
+
+
+def _seq_lens(batch: dict[str, torch.Tensor]) -> list[int]:
+    return [int(n) for n in batch["packed_lens"].tolist()]
+
+
 # ------------------------------------------------------------------------------------------- logprobs and entropy
 
 
@@ -170,9 +304,14 @@ def _lm_logprobs_and_entropy(
     chunk: int,
     temperature: float,
     with_entropy: bool,
+    seq_lens: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = lm.base_model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        **_packing_kwargs(lm.config, position_ids, seq_lens),
     )
     if response_mask is not None:
         want = response_mask
@@ -180,6 +319,9 @@ def _lm_logprobs_and_entropy(
         want = attention_mask
     else:
         want = torch.ones_like(input_ids, dtype=torch.bool)
+    if position_ids is not None:
+        # Nothing predicts the first token of a sequence; in a packed row the state before it is another sequence's.
+        want = want.bool() & (position_ids != 0)
     return head_logprobs_and_entropy(
         out.last_hidden_state,
         lm.get_output_embeddings(),
@@ -192,11 +334,15 @@ def _lm_logprobs_and_entropy(
 
 
 class Actor(nn.Module):
-    """An HF causal LM (``self.lm``) whose forward returns (token logprobs, entropies); the root FSDP unit."""
+    """An HF causal LM (``self.lm``) whose forward returns (token logprobs, entropies); the root FSDP unit.
+
+    Wrapping switches an SDPA model to ``PACKED_ATTENTION`` (the same attention for padded batches).
+    """
 
     def __init__(self, lm: Any):
         super().__init__()
         self.lm: Any = lm
+        use_packed_attention(lm)
 
     @property
     def config(self) -> Any:
@@ -212,9 +358,18 @@ class Actor(nn.Module):
         chunk: int = 1024,
         temperature: float = 1.0,
         with_entropy: bool = True,
+        seq_lens: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return _lm_logprobs_and_entropy(
-            self.lm, input_ids, attention_mask, position_ids, response_mask, chunk, temperature, with_entropy
+            self.lm,
+            input_ids,
+            attention_mask,
+            position_ids,
+            response_mask,
+            chunk,
+            temperature,
+            with_entropy,
+            seq_lens,
         )
 
 
@@ -228,14 +383,17 @@ def token_logprobs_and_entropy(
     chunk: int = 1024,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    seq_lens: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs and entropies of ``input_ids`` under ``model`` (an ``Actor`` or a plain HF causal LM).
 
     ``input_ids`` [B, T]; ``attention_mask`` [B, T] (1 = real token) and/or ``position_ids`` [B, T] as the HF model
     takes them; ``response_mask`` [B, T] marks the tokens whose logprob is wanted (default: every attended token).
     Returns ``(logp, entropy)``, both [B, T] fp32: ``logp[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` at
-    ``temperature``, ``entropy[b, t]`` the entropy of that next-token distribution; 0 at t = 0 and wherever the
-    token is not wanted.  The LM head runs over ``chunk`` tokens at a time (see ``head_logprobs_and_entropy``).
+    ``temperature``, ``entropy[b, t]`` the entropy of that next-token distribution; 0 at t = 0, where a position id
+    is 0, and wherever the token is not wanted.  The LM head runs over ``chunk`` tokens at a time (see
+    ``head_logprobs_and_entropy``).  A packed row is [1, N] with ``position_ids`` restarting per sequence and
+    ``seq_lens`` the sequences' lengths (see ``batch_logprobs``).
     """
     if isinstance(model, Actor):
         out = model(
@@ -246,13 +404,51 @@ def token_logprobs_and_entropy(
             chunk=chunk,
             temperature=temperature,
             with_entropy=with_entropy,
+            seq_lens=seq_lens,
         )
         if not torch.is_grad_enabled():
             reshard(model)  # no backward will free the root's gathered weights
         return out
     return _lm_logprobs_and_entropy(
-        model, input_ids, attention_mask, position_ids, response_mask, chunk, temperature, with_entropy
+        model,
+        input_ids,
+        attention_mask,
+        position_ids,
+        response_mask,
+        chunk,
+        temperature,
+        with_entropy,
+        seq_lens,
     )
+
+
+def batch_logprobs(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    chunk: int = 1024,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs_and_entropy`` of a collated micro-batch (``trainer.data.collate``), packed or padded.
+
+    Returns ``(logp, entropy)`` [B, T] in the padded layout either way, 0 on padding and unwanted tokens.
+    """
+    opts: dict[str, Any] = {"chunk": chunk, "temperature": temperature, "with_entropy": with_entropy}
+    if "packed_ids" not in batch:
+        return token_logprobs_and_entropy(
+            model, batch["input_ids"], batch["attention_mask"], None, batch["response_mask"], **opts
+        )
+    logp, ent = token_logprobs_and_entropy(
+        model,
+        batch["packed_ids"],
+        None,
+        batch["packed_positions"],
+        pack(batch["response_mask"], batch),
+        seq_lens=_seq_lens(batch),
+        **opts,
+    )
+    return unpack(logp, batch), unpack(ent, batch)
 
 
 # --------------------------------------------------------------------------------------------------- the builders
@@ -309,6 +505,7 @@ class Critic(nn.Module):
     def __init__(self, base: Any, hidden_size: int):
         super().__init__()
         self.base: Any = base
+        use_packed_attention(base)
         self.value_head = nn.Linear(hidden_size, 1)
         # Values start at 0: early advantages are then the returns themselves, not a random head's noise.
         nn.init.zeros_(self.value_head.weight)
@@ -319,26 +516,43 @@ class Critic(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        seq_lens: list[int] | None = None,
     ) -> torch.Tensor:
         h = self.base(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **_packing_kwargs(self.base.config, position_ids, seq_lens),
         ).last_hidden_state
         v = self.value_head(h).squeeze(-1).float()
         # Aligned with token_logprobs_and_entropy: values[b, t] is the value of the state in which token t is chosen
-        # (the prefix before t), so it reads the hidden state at t - 1; nothing precedes t = 0.
-        return F.pad(v[:, :-1], (1, 0))
+        # (the prefix before t), so it reads the hidden state at t - 1; nothing precedes t = 0 (nor, in a packed row,
+        # a position id 0: the state before it belongs to another sequence).
+        v = F.pad(v[:, :-1], (1, 0))
+        return v if position_ids is None else v.masked_fill(position_ids == 0, 0.0)
 
     def values(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        seq_lens: list[int] | None = None,
     ) -> torch.Tensor:
         """[B, T] fp32 values (see ``forward``); with FSDP call this, not ``self.base``, so the hooks run."""
-        out = self(input_ids, attention_mask, position_ids)
+        out = self(input_ids, attention_mask, position_ids, seq_lens)
         if not torch.is_grad_enabled():
             reshard(self)
         return out
+
+
+def batch_values(critic: Critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The critic's values of a collated micro-batch, packed or padded: [B, T] in the padded layout, 0 on padding
+    when packed (with or without grad)."""
+    if "packed_ids" not in batch:
+        return critic.values(batch["input_ids"], batch["attention_mask"])
+    v = critic.values(batch["packed_ids"], None, batch["packed_positions"], _seq_lens(batch))
+    return unpack(v, batch)
 
 
 def build_critic(

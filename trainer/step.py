@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from buffer.config import ShardRLConfig
 from trainer import dist as tdist
 from trainer import ppo
-from trainer.data import Sample, assign_to_ranks, collate, microbatches, split_updates
-from trainer.model import clip_grad_norm_, token_logprobs_and_entropy
+from trainer.data import Sample, assign_to_ranks, batch_to, collate, microbatches, split_updates
+from trainer.model import batch_logprobs, batch_values, clip_grad_norm_
 
 Batch = dict[str, torch.Tensor]
 
@@ -109,19 +109,19 @@ def sampling_temperature(cfg: ShardRLConfig) -> float:
 # ------------------------------------------------------------------------------------------------- micro-batches
 
 
-def _padded_microbatches(mine: list[Sample], max_tokens: int) -> list[list[Sample]]:
+def _padded_microbatches(mine: list[Sample], max_tokens: int, packed: bool) -> list[list[Sample]]:
     """This rank's micro-batches, padded with empty ones up to the count of the busiest rank."""
-    mbs = microbatches(mine, max_tokens)
+    mbs = microbatches(mine, max_tokens, packed=packed)
     n = int(tdist.all_reduce_max(float(len(mbs))))
     return mbs + [[] for _ in range(n - len(mbs))]
 
 
-def _batch(mb: list[Sample], pad_id: int, device: torch.device, like: Sample) -> Batch:
+def _batch(mb: list[Sample], pad_id: int, device: torch.device, like: Sample, packed: bool) -> Batch:
     """Tensors of a micro-batch; an empty one is a single masked-out row so forward/backward still run."""
-    b = collate(mb if mb else [like], pad_id)
+    b = collate(mb if mb else [like], pad_id, packed=packed)
     if not mb:
         b["response_mask"].zero_()
-    return {k: v.to(device) for k, v in b.items()}
+    return batch_to(b, device)
 
 
 def _counts(mine: list[Sample]) -> tuple[float, float]:
@@ -136,8 +136,8 @@ def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[
     out = []
     for part in split_updates(samples, t.updates_per_step):
         mine = assign_to_ranks(part, tdist.world())[tdist.rank()]
-        mbs = _padded_microbatches(mine, t.max_tokens_per_microbatch)
-        batches = [_batch(mb, pad_id, device, samples[0]) for mb in mbs]
+        mbs = _padded_microbatches(mine, t.max_tokens_per_microbatch, t.packing)
+        batches = [_batch(mb, pad_id, device, samples[0], t.packing) for mb in mbs]
         tokens = [sum(len(s.response_ids) for s in mb) for mb in mbs]
         out.append(MiniBatch(mine, batches, tokens, _counts(mine)))
     return out
@@ -149,12 +149,9 @@ def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[
 def _logp(
     model: torch.nn.Module, b: Batch, cfg: ShardRLConfig, with_entropy: bool
 ) -> tuple[torch.Tensor, ...]:
-    return token_logprobs_and_entropy(
+    return batch_logprobs(
         model,
-        b["input_ids"],
-        b["attention_mask"],
-        None,
-        b["response_mask"],
+        b,
         chunk=cfg.trainer.logprob_chunk,
         temperature=sampling_temperature(cfg),
         with_entropy=with_entropy,
@@ -179,7 +176,7 @@ def _ppo_targets(cfg: ShardRLConfig, models: Models, b: Batch) -> dict[str, torc
     """Old values, token rewards, GAE advantages and returns of one micro-batch (written into ``b``)."""
     a = cfg.algorithm
     mask = b["response_mask"]
-    b["old_values"] = models.critic.values(b["input_ids"], b["attention_mask"])
+    b["old_values"] = batch_values(models.critic, b)
     rewards = ppo.scalar_reward_to_tokens(b["rewards"], mask)
     m: dict[str, torch.Tensor] = {}
     if _kl_in_reward(cfg):
@@ -268,7 +265,7 @@ def _value_terms(
     cfg: ShardRLConfig, models: Models, b: Batch, counts: tuple[float, float]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a, mask = cfg.algorithm, b["response_mask"]
-    values = models.critic(b["input_ids"], b["attention_mask"])
+    values = batch_values(models.critic, b)
     loss, m = ppo.value_loss(values, b["old_values"], b["returns"], mask, a.value_clip, a.loss_agg, *counts)
     return a.value_coef * loss, m
 

@@ -112,15 +112,34 @@ def test_assign_to_ranks_balances_tokens(world: int) -> None:
     assert parts == assign_to_ranks(list(reversed(samples)), world)  # deterministic, order-independent
 
 
-def test_microbatches_respect_the_padded_token_budget() -> None:
-    rng = random.Random(0)
+def _varied(seed: int) -> list[Sample]:
+    rng = random.Random(seed)
     samples = [_s(f"s{i}", "g", prompt=rng.randint(1, 20), resp=rng.randint(1, 30)) for i in range(50)]
     samples.append(_s("huge", "g", prompt=80, resp=40))  # longer than the budget: alone in its micro-batch
-    mbs = microbatches(samples, max_tokens=100)
+    return samples
+
+
+def test_microbatches_respect_the_padded_token_budget() -> None:
+    samples = _varied(0)
+    mbs = microbatches(samples, max_tokens=100, packed=False)
     assert sorted(s.sample_id for mb in mbs for s in mb) == sorted(s.sample_id for s in samples)
     for mb in mbs:
         assert len(mb) * max(s.length for s in mb) <= 100 or len(mb) == 1
     assert [s.sample_id for s in mbs[-1]] == ["huge"]
+
+
+def test_packed_microbatches_count_real_tokens_only() -> None:
+    samples = _varied(1)
+    mbs = microbatches(samples, max_tokens=100)
+    assert sorted(s.sample_id for mb in mbs for s in mb) == sorted(s.sample_id for s in samples)
+    sizes = [sum(s.length for s in mb) for mb in mbs]
+    assert all(n <= 100 for n in sizes[:-1]) and [s.sample_id for s in mbs[-1]] == ["huge"]
+    # Greedy in length order: a micro-batch closes only when the next sample would not fit.
+    for mb, nxt in zip(mbs, mbs[1:], strict=False):
+        assert sum(s.length for s in mb) + nxt[0].length > 100
+    real = sum(s.length for s in samples)
+    assert len(mbs) < len(microbatches(samples, max_tokens=100, packed=False))
+    assert len(mbs) <= real // 100 + 3
 
 
 def test_collate_aligns_response_tokens_logprobs_and_advantages() -> None:
