@@ -156,6 +156,22 @@ def test_k3_is_finite_for_a_wild_token() -> None:
     assert torch.isfinite(ppo.kl_estimate(t([-200.0]), t([-1.0]), "k3")).all()
 
 
+def test_k3_is_clamped_to_ten_and_carries_no_gradient_beyond() -> None:
+    # d = logp - ref = [-5, 3, 0.5].  k3 = exp(-d) + d - 1:
+    #   d = -5:  exp(5) - 6 = 142.41...  -> clamped to 10 (the unclamped estimator returned 142.41)
+    #   d = 3:   exp(-3) + 2 = 2.0498...    (inside the range: unchanged)
+    #   d = 0.5: exp(-0.5) - 0.5 = 0.1065...
+    logp = t([[-6.0, -1.0, -1.0]]).requires_grad_()
+    ref = t([[-1.0, -4.0, -1.5]])
+    unclamped = [math.exp(5) - 6, math.exp(-3) + 2, math.exp(-0.5) - 0.5]
+    assert unclamped[0] > 142
+    close(ppo.kl_estimate(logp, ref, "k3"), [[10.0, unclamped[1], unclamped[2]]])
+    # d k3 / d logp = 1 - exp(-d): 0 on the clamped token, 1 - exp(-3) and 1 - exp(-0.5) elsewhere (sum-aggregated)
+    ppo.kl_estimate(logp, ref, "k3").sum().backward()
+    assert logp.grad is not None
+    close(logp.grad, [[0.0, 1 - math.exp(-3), 1 - math.exp(-0.5)]])
+
+
 def test_mismatch_kl_is_masked_k3_of_behaviour_vs_train() -> None:
     # Token 0: train - behaviour = log 2 -> r = 2: 2 - 1 - log 2 = 0.30685281944;  token 1: equal -> 0;
     # token 2 masked out.  Mean over 2 tokens = 0.15342640972.
@@ -181,11 +197,15 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
         ("seq-mean-token-mean", 3.0, 1.5),
         # (6 + 4) / 2 seqs = 5;                    with global_seqs 4: 10 / 4 = 2.5
         ("seq-mean-token-sum", 5.0, 2.5),
+        # (6/3 + 4/3) / 2 seqs, T = 3 columns;     with global_seqs 4, norm_length 5: (6/5 + 4/5) / 4 = 0.5
+        ("seq-mean-token-sum-norm", (6 / 3 + 4 / 3) / 2, 0.5),
+        # 1+2+3+4 = 10, whatever the counts
+        ("token-sum", 10.0, 10.0),
     ],
 )
 def test_aggregate_modes_by_hand(mode: ppo.AggMode, local: float, with_global: float) -> None:
     close(ppo.aggregate(LOSS, MASK, mode), local)
-    close(ppo.aggregate(LOSS, MASK, mode, global_tokens=10.0, global_seqs=4.0), with_global)
+    close(ppo.aggregate(LOSS, MASK, mode, global_tokens=10.0, global_seqs=4.0, norm_length=5.0), with_global)
 
 
 def test_aggregate_empty_rows_do_not_count_as_sequences() -> None:
@@ -195,26 +215,48 @@ def test_aggregate_empty_rows_do_not_count_as_sequences() -> None:
     close(ppo.aggregate(t([[1.0]]), torch.tensor([[0]]), "token-mean"), 0.0)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ppo.AGG_MODES)
 def test_aggregate_split_batch_with_global_counts_equals_whole(mode: ppo.AggMode) -> None:
     # Lengths 5, 1, 3, 2 -> 11 tokens, 4 seqs; row sums 2.9, 4.0, 1.25, -1.0 (total 7.15).  Split 1 + 3 rows
     # (5 + 6 tokens): averaging the parts' local means differs from the whole; global counts make the parts add up.
+    # The second part is cut to its own padded width (3 columns), as collate pads each micro-batch: the constant
+    # norm_length (7, the run's maximum response length) keeps seq-mean-token-sum-norm independent of that width.
     loss = t([[0.3, -1.2, 2.0, 0.7, 1.1], [4.0, 9, 9, 9, 9], [-0.5, 0.25, 1.5, 9, 9], [2.0, -3.0, 9, 9, 9]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
-    whole = ppo.aggregate(loss, mask, mode)
+    whole = ppo.aggregate(loss, mask, mode, norm_length=7.0)
+    parts = [(loss[:1], mask[:1]), (loss[1:, :3], mask[1:, :3])]
     halves = [
-        ppo.aggregate(loss[s], mask[s], mode, global_tokens=11.0, global_seqs=4.0)
-        for s in (slice(0, 1), slice(1, 4))
+        ppo.aggregate(x, m, mode, global_tokens=11.0, global_seqs=4.0, norm_length=7.0) for x, m in parts
     ]
     close(halves[0] + halves[1], whole.item(), atol=1e-12)
-    local_avg = (ppo.aggregate(loss[:1], mask[:1], mode) + ppo.aggregate(loss[1:], mask[1:], mode)) / 2
+    local_avg = sum(ppo.aggregate(x, m, mode, norm_length=7.0) for x, m in parts) / 2
     assert abs(local_avg.item() - whole.item()) > 1e-3
     expected = {
         "token-mean": 7.15 / 11,
         "seq-mean-token-mean": (2.9 / 5 + 4.0 / 1 + 1.25 / 3 - 1.0 / 2) / 4,
         "seq-mean-token-sum": 7.15 / 4,
+        "seq-mean-token-sum-norm": 7.15 / 7 / 4,
+        "token-sum": 7.15,
     }
     close(whole, expected[mode], atol=1e-12)
+
+
+def test_sum_norm_without_the_constant_depends_on_the_padded_width() -> None:
+    # The same two sequences (sums 6 and 4) padded to 3 or to 8 columns: the fallback normaliser is the width, so
+    # the loss changes with padding alone; the constant norm_length does not.
+    narrow = (LOSS, MASK)
+    wide = (
+        torch.cat([LOSS, torch.zeros(2, 5, dtype=F64)], 1),
+        torch.cat([MASK, torch.zeros(2, 5, dtype=MASK.dtype)], 1),
+    )
+    agg = "seq-mean-token-sum-norm"
+    close(ppo.aggregate(*narrow, agg), 10 / 3 / 2)
+    close(ppo.aggregate(*wide, agg), 10 / 8 / 2)
+    close(ppo.aggregate(*narrow, agg, norm_length=4.0), ppo.aggregate(*wide, agg, norm_length=4.0).item())
+    with pytest.raises(ValueError, match="norm_length"):
+        ppo.aggregate(*narrow, agg, norm_length=0.0)
+    with pytest.raises(ValueError, match="token-sum"):
+        ppo.aggregate(*narrow, "seq-sum")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------------------------------ policy
@@ -338,6 +380,27 @@ def test_value_loss_clipping_by_hand() -> None:
     # Gradient (V - R) / 4 where unclipped, 0 where the clipped error won.
     assert values.grad is not None
     close(values.grad, [[0.0, 0.125, 0.0, 0.25]])
+
+
+def test_value_clip_frac_counts_only_tokens_where_the_clip_binds() -> None:
+    # float32, clip 1.0.  Token 0: V 0.1, V_old 0.7, R 0: |V - V_old| = 0.6 < 1, the clip does not bind.  The old
+    # V_old + clamp(V - V_old) gives 0.7 + (-0.6 rounded) = 0.10000002 in float32, one ulp above V, so the
+    # "clipped" error came out larger and the token counted as clipped.  Token 1: V 3.0, V_old 0.5, R 0: V_clip 1.5,
+    # errors 9 vs 2.25 -> the unclipped one is larger, not clipped.  Token 2: V 0.0, V_old 2.0, R 0: V_clip 1.0,
+    # errors 0 vs 1 -> clipped.  Fraction 1/3.  Loss 0.5 * (0.01 + 9 + 1) / 3.
+    f32 = torch.float32
+    v, old, ret = [0.1, 3.0, 0.0], [0.7, 0.5, 2.0], [0.0, 0.0, 0.0]
+    assert abs(v[0] - old[0]) < 1.0
+    values = torch.tensor([v], dtype=f32)
+    old_t = torch.tensor([old], dtype=f32)
+    assert (old_t + (values - old_t).clamp(-1.0, 1.0))[0, 0].item() != values[
+        0, 0
+    ].item()  # the old round trip
+    loss, m = ppo.value_loss(
+        values, old_t, torch.tensor([ret], dtype=f32), torch.ones(1, 3), 1.0, "token-mean"
+    )
+    close(m["value_clip_frac"], 1 / 3)
+    close(loss, 0.5 * (0.1**2 + 9.0 + 1.0) / 3, atol=1e-6)
 
 
 def test_entropy_bonus_and_kl_loss_signs() -> None:
