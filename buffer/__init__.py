@@ -6,4 +6,6 @@ weights, control commands, leases and status records — is defined here.  This 
 and nothing heavy (no torch) at import time.
 """
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version of the run-directory layout (run.json, shard metadata).  2: every JSON record carries its own
+``schema_version`` and is read strictly (``buffer.records``)."""

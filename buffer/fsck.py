@@ -1,4 +1,4 @@
-"""`shardrl fsck`: check every shard, plan, weight version and lease of a run; optionally repair.
+"""`shardrl fsck`: check every shard, plan, weight version, lease and status record of a run; optionally repair.
 
 Repair only does what cannot lose data: quarantine shards that fail validation (never delete them) and remove
 abandoned temporaries (whose writer is gone).
@@ -10,11 +10,12 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import plans, shards, weights
+from . import heartbeats, plans, shards, weights
 from .config import ShardRLConfig
 from .control import all_leases, read_state
 from .fsio import iter_tmp_files, tmp_is_abandoned
 from .layout import RunLayout
+from .records import RecordError
 
 
 @dataclass
@@ -36,6 +37,7 @@ def fsck(
     _check_plans(layout, rep)
     _check_weights(layout, rep, repair)
     _check_leases(layout, rep)
+    _check_status(layout, rep)
     _check_temporaries(layout, rep, repair, tmp_age_s)
     return rep
 
@@ -58,7 +60,12 @@ def _check_shards(layout: RunLayout, cfg: ShardRLConfig, rep: FsckReport, repair
 
 def _check_plans(layout: RunLayout, rep: FsckReport) -> None:
     seen: dict[str, int] = {}
-    for step, plan in sorted(plans.valid_plans(layout).items()):
+    try:
+        valid = plans.valid_plans(layout, problems=rep.problems)
+    except RecordError as e:  # an epoch claim: which plans are valid cannot be decided
+        rep.problems.append(str(e))
+        return
+    for step, plan in sorted(valid.items()):
         rep.checked["plans"] += 1
         for sid in [*plan.sample_ids, *plan.dropped_ids]:
             if sid in seen:
@@ -76,7 +83,11 @@ def _check_weights(layout: RunLayout, rep: FsckReport, repair: bool) -> None:
             weights.verify_version(layout, v, checksums=True)
         except weights.WeightsError as e:
             rep.problems.append(f"weights v{v}: {e}")
-    latest = weights.latest_version(layout)
+    try:
+        latest = weights.latest_version(layout)
+    except RecordError as e:
+        rep.problems.append(str(e))
+        return  # which staging directories are abandoned depends on LATEST
     if latest > 0:
         try:
             weights.verify_version(layout, latest)
@@ -100,6 +111,18 @@ def _check_leases(layout: RunLayout, rep: FsckReport) -> None:
             rep.problems.append(
                 f"lease slot {slot}: held by {rec['holder']} but only {desired} workers desired"
             )
+
+
+def _check_status(layout: RunLayout, rep: FsckReport) -> None:
+    for listing in (heartbeats.load_workers(layout), heartbeats.load_supervisors(layout)):
+        rep.checked["status_records"] += len(listing.records) + len(listing.problems)
+        rep.problems.extend(listing.problems)
+    try:
+        if heartbeats.load_trainer(layout) is not None:
+            rep.checked["status_records"] += 1
+    except RecordError as e:
+        rep.checked["status_records"] += 1
+        rep.problems.append(str(e))
 
 
 def _check_temporaries(layout: RunLayout, rep: FsckReport, repair: bool, tmp_age_s: float) -> None:

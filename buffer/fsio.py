@@ -2,7 +2,9 @@
 
 Every file that crosses a process boundary is written tmp -> fsync -> rename, followed by an fsync of the directory,
 so a reader sees either the old content or the new one, never a partial file.  Exclusive creation uses
-``os.link(tmp, final)``, which stays atomic over NFS where ``O_EXCL`` does not.
+``os.link(tmp, final)``, which stays atomic over NFS where ``O_EXCL`` does not; ``claim_next`` builds "exactly one
+process gets number n" on it.  ``retry_transient`` is the one retry policy for the errors NFS/Lustre produce
+transiently.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -88,23 +91,61 @@ def _read_or_none(path: Path) -> bytes | None:
 
 
 def write_json_atomic(final: Path, obj: Any) -> None:
-    write_atomic(final, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    write_atomic(final, json_bytes(obj))
 
 
 def create_json_exclusive(final: Path, obj: Any) -> bool:
-    return create_exclusive(final, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    return create_exclusive(final, json_bytes(obj))
 
 
-def retry_transient(fn: Callable[[], T], *, attempts: int = 5, delay_s: float = 0.05) -> T:
-    """Call ``fn``; retry OSErrors that a network filesystem produces transiently, with backoff."""
+def json_bytes(obj: Any) -> bytes:
+    """The one JSON encoding of run-directory records (stable key order, so equal records are equal bytes)."""
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+
+
+def claim_next(path_of: Callable[[int], Path], content_of: Callable[[int], bytes], first: int = 1) -> int:
+    """Claim the lowest free number ``n >= first``: create ``path_of(n)`` exclusively; return ``n``.
+
+    Exactly one caller wins each number, across processes and hosts (``create_exclusive``); a loser moves on to the
+    next one.  ``content_of(n)`` is called again for every attempt, so a record can carry what its writer saw just
+    before claiming (e.g. the highest plan step).  ``first`` is only where to start looking (the highest number
+    listed + 1 saves attempts); correctness never depends on it.
+    """
+    n = first
+    while not create_exclusive(path_of(n), content_of(n)):
+        n += 1
+    return n
+
+
+def numbered(directory: Path, pattern: re.Pattern[str]) -> list[int]:
+    """The numbers in the names of ``directory`` that match ``pattern`` (its group 1), ascending."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := pattern.match(n)))
+
+
+def retry_transient(
+    fn: Callable[[], T],
+    *,
+    attempts: int = 5,
+    delay_s: float = 0.05,
+    errnos: frozenset[int] = TRANSIENT_ERRNOS,
+) -> T:
+    """Call ``fn``; retry the OSErrors a network filesystem produces transiently (``errnos``), with backoff.
+
+    The one retry policy of the run directory: ``attempts`` calls in all, sleeping ``delay_s``, then twice that, ...
+    between them.  Any other error, and the last transient one, is raised unchanged.
+    """
     for i in range(attempts):
         try:
             return fn()
         except OSError as e:
-            if e.errno not in TRANSIENT_ERRNOS or i == attempts - 1:
+            if e.errno not in errnos or i == attempts - 1:
                 raise
             time.sleep(delay_s * (2**i))
-    raise AssertionError("unreachable")
+    raise ValueError(f"retry_transient: attempts must be >= 1, got {attempts}")
 
 
 def read_json(path: Path, *, attempts: int = 5) -> Any:

@@ -1,91 +1,155 @@
-"""Status records of workers, supervisors and the trainer (small JSON files, replaced atomically).
+"""Status records of workers, supervisors and the trainer (``records.WorkerStatus`` ... replaced atomically).
 
 Each record carries ``updated_at`` (wall clock, for people) and a ``beat`` counter that increases with every write
 (for machines: staleness is judged by a counter that stops changing on the observer's own monotonic clock).
+``StatusWriter.update(**fields)`` validates every write against the record type, so a misspelt or mistyped field
+fails in the process that writes it.  Readers of a status directory (``load_workers``) return the bad records as
+problems next to the good ones, so one damaged file never hides the others.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from .fsio import HOST, read_json_or_none, write_json_atomic
+from .fsio import HOST, write_json_atomic
 from .layout import RunLayout
-
-LIVE_STATES = frozenset(
-    {"starting", "loading", "running", "reloading", "paused", "draining", "waiting", "training"}
+from .records import (
+    LIVE_STATES,
+    RecordError,
+    StatusRecord,
+    SupervisorStatus,
+    TrainerStatus,
+    WorkerStatus,
+    read_record,
 )
 
+S = TypeVar("S", bound=StatusRecord)
 
-class StatusWriter:
-    """Keeps one status record fresh; ``update`` merges fields and rewrites the file."""
 
-    def __init__(self, path: Path, **fields: Any):
+class StatusWriter(Generic[S]):
+    """Keeps one status record fresh; ``update`` merges fields, validates the whole record and rewrites the file.
+
+    ``record`` is the last record written, as JSON (what a reader of the file sees).
+    """
+
+    def __init__(self, path: Path, kind: type[S], **fields: Any):
+        unknown = sorted(set(fields) - set(kind.model_fields))
+        if unknown:
+            raise RecordError(path, unknown[0], f"not a field of {kind.__name__} (misspelt?)")
         self.path = path
-        self.record: dict[str, Any] = {"host": HOST, "pid": os.getpid(), "beat": 0, **fields}
+        self.kind = kind
+        self.record: dict[str, Any] = {
+            "schema_version": kind.expected_version(),
+            "host": HOST,
+            "pid": os.getpid(),
+            "beat": 0,
+            **fields,
+        }
 
-    def update(self, **fields: Any) -> None:
-        self.record.update(fields)
-        self.record["beat"] += 1
-        self.record["updated_at"] = time.time()
+    def update(self, **fields: Any) -> S:
+        merged = {**self.record, **fields, "beat": int(self.record["beat"]) + 1, "updated_at": time.time()}
+        rec = self.kind.validated(merged, self.path)
+        self.record = rec.to_json()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, self.record)
+        return rec
 
 
-def worker_status(layout: RunLayout, worker_id: str, **fields: Any) -> StatusWriter:
-    return StatusWriter(layout.worker_status(worker_id), id=worker_id, **fields)
+def worker_status(layout: RunLayout, worker_id: str, **fields: Any) -> StatusWriter[WorkerStatus]:
+    return StatusWriter(layout.worker_status(worker_id), WorkerStatus, id=worker_id, **fields)
 
 
-def supervisor_status(layout: RunLayout, supervisor_id: str, **fields: Any) -> StatusWriter:
-    return StatusWriter(layout.supervisor_status(supervisor_id), id=supervisor_id, **fields)
+def supervisor_status(layout: RunLayout, supervisor_id: str, **fields: Any) -> StatusWriter[SupervisorStatus]:
+    return StatusWriter(layout.supervisor_status(supervisor_id), SupervisorStatus, id=supervisor_id, **fields)
 
 
-def trainer_status(layout: RunLayout, **fields: Any) -> StatusWriter:
-    return StatusWriter(layout.trainer_status, **fields)
+def trainer_status(layout: RunLayout, **fields: Any) -> StatusWriter[TrainerStatus]:
+    return StatusWriter(layout.trainer_status, TrainerStatus, **fields)
 
 
-def _read_dir(directory: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+# ---------------------------------------------------------------------------------------------- typed readers
+
+
+@dataclass
+class Listing(Generic[S]):
+    """The valid records of a status directory, and one line per file that is not a valid record."""
+
+    records: list[S] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _load_dir(directory: Path, kind: type[S]) -> Listing[S]:
+    out: Listing[S] = Listing()
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
         return out
     for n in names:
-        if n.endswith(".json") and not n.startswith("."):
-            rec = read_json_or_none(directory / n)
-            if isinstance(rec, dict):
-                out.append(rec)
+        if not n.endswith(".json") or n.startswith("."):
+            continue
+        try:
+            out.records.append(read_record(kind, directory / n, attempts=2))
+        except FileNotFoundError:
+            continue  # removed since the listing
+        except (RecordError, OSError) as e:
+            out.problems.append(str(e))
     return out
 
 
+def load_workers(layout: RunLayout) -> Listing[WorkerStatus]:
+    return _load_dir(layout.worker_status_dir, WorkerStatus)
+
+
+def load_supervisors(layout: RunLayout) -> Listing[SupervisorStatus]:
+    return _load_dir(layout.supervisor_status_dir, SupervisorStatus)
+
+
+def load_worker(layout: RunLayout, worker_id: str) -> WorkerStatus | None:
+    """One worker's record; None when it has none yet; RecordError when the file is not a valid record."""
+    try:
+        return read_record(WorkerStatus, layout.worker_status(worker_id), attempts=2)
+    except FileNotFoundError:
+        return None
+
+
+def load_trainer(layout: RunLayout) -> TrainerStatus | None:
+    """The trainer's record; None before a trainer has written one; RecordError when it is not a valid record."""
+    try:
+        return read_record(TrainerStatus, layout.trainer_status, attempts=2)
+    except FileNotFoundError:
+        return None
+
+
+# ------------------------------------------------------------------- key-indexed views (callers not yet typed)
+
+
 def read_workers(layout: RunLayout) -> list[dict[str, Any]]:
-    return _read_dir(layout.worker_status_dir)
+    """The valid worker records as JSON objects; new code uses ``load_workers``."""
+    return [r.to_json() for r in load_workers(layout).records]
 
 
 def read_supervisors(layout: RunLayout) -> list[dict[str, Any]]:
-    return _read_dir(layout.supervisor_status_dir)
+    """The valid supervisor records as JSON objects; new code uses ``load_supervisors``."""
+    return [r.to_json() for r in load_supervisors(layout).records]
 
 
 def read_trainer(layout: RunLayout) -> dict[str, Any] | None:
-    rec = read_json_or_none(layout.trainer_status)
-    return rec if isinstance(rec, dict) else None
-
-
-def age_s(rec: dict[str, Any]) -> float | None:
-    """Seconds since the record was written, by the wall clock (for display only)."""
-    at = rec.get("updated_at")
-    return None if at is None else max(0.0, time.time() - float(at))
+    """The trainer record as a JSON object, None when absent or invalid; new code uses ``load_trainer``."""
+    try:
+        rec = load_trainer(layout)
+    except (RecordError, OSError):
+        return None
+    return None if rec is None else rec.to_json()
 
 
 def versions_in_use(layout: RunLayout, max_age_s: float = 600.0) -> set[int]:
     """Weight versions that workers which may still be alive report as loaded (protected from GC)."""
-    out = set()
-    for rec in read_workers(layout):
-        age = age_s(rec)
-        if rec.get("state") in LIVE_STATES and (age is None or age < max_age_s):
-            v = rec.get("weights_version")
-            if isinstance(v, int):
-                out.add(v)
-    return out
+    return {
+        w.weights_version
+        for w in load_workers(layout).records
+        if w.state in LIVE_STATES and w.age_s() < max_age_s and w.weights_version is not None
+    }

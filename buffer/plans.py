@@ -5,7 +5,10 @@ Before each step, the trainer's rank 0 writes a plan (``plans/step-XXXXXXXX.eE.j
 after a crash, steps after the checkpoint replay their recorded plans instead of planning anew.  A sample is consumed
 when it is in a valid plan (trained, or dropped as too stale); a sample that was never planned stays available.
 
-Fencing.  Each trainer incarnation claims an epoch by exclusive creation of ``plans/epochs/EEEEEE.json``, recording
+Plans and epoch claims are ``records.Plan`` / ``records.EpochClaim``; one that is not a valid record is an error
+(RecordError), never skipped: exactly-once cannot be decided without it.
+
+Fencing.  Each trainer incarnation claims the next epoch with ``fsio.claim_next`` (``plans/epochs/EEEEEE.json``), recording
 the highest valid plan step it saw (``max_step``).  A plan of epoch e for step s is valid only if s <= max_step of
 every later epoch: a zombie incarnation (an old Slurm job after a requeue) can only have written plans with higher
 steps after the newer one claimed, so whatever it writes is ignored, whatever the timing.  ``write_plan`` also
@@ -18,11 +21,12 @@ import os
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
-from .fsio import HOST, create_json_exclusive, read_json_or_none
+from .fsio import HOST, claim_next
 from .layout import RunLayout
+from .records import EpochClaim, Plan, RecordError, create_record, read_record
 
 _PLAN_RE = re.compile(r"^step-(\d{8})\.e(\d+)\.json$")
 
@@ -31,40 +35,15 @@ class FencedError(RuntimeError):
     """This trainer incarnation has been superseded by a newer one and must stop."""
 
 
-@dataclass(frozen=True)
-class Plan:
+class PlanFile(NamedTuple):
     step: int
     epoch: int
-    shards: list[str]
-    sample_ids: list[str]
-    dropped_ids: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "shards": self.shards,
-            "sample_ids": self.sample_ids,
-            "dropped_ids": self.dropped_ids,
-            "extra": self.extra,
-            "created_at": time.time(),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Plan:
-        return cls(
-            int(d["step"]),
-            int(d["epoch"]),
-            list(d["shards"]),
-            list(d["sample_ids"]),
-            list(d.get("dropped_ids", [])),
-            dict(d.get("extra", {})),
-        )
+    path: Path
 
 
 def _epoch_claims(layout: RunLayout) -> dict[int, int]:
-    """epoch -> max valid plan step at the time it was claimed."""
+    """epoch -> max valid plan step at the time it was claimed.  A claim that is not a valid record raises
+    RecordError: fencing cannot be decided without it."""
     out = {}
     try:
         names = os.listdir(layout.epochs)
@@ -72,13 +51,17 @@ def _epoch_claims(layout: RunLayout) -> dict[int, int]:
         return {}
     for n in names:
         if n.endswith(".json") and n[:-5].isdigit():
-            rec = read_json_or_none(layout.epochs / n)
-            if isinstance(rec, dict):
-                out[int(n[:-5])] = int(rec.get("max_step", 0))
+            epoch = int(n[:-5])
+            claim = read_record(EpochClaim, layout.epoch(epoch))
+            if claim.epoch != epoch:
+                raise RecordError(
+                    layout.epoch(epoch), "epoch", f"is {claim.epoch}, the file name says {epoch}"
+                )
+            out[epoch] = claim.max_step
     return out
 
 
-def _plan_files(layout: RunLayout) -> list[tuple[int, int, str]]:
+def _plan_files(layout: RunLayout) -> list[PlanFile]:
     try:
         names = os.listdir(layout.plans)
     except FileNotFoundError:
@@ -87,20 +70,43 @@ def _plan_files(layout: RunLayout) -> list[tuple[int, int, str]]:
     for n in names:
         m = _PLAN_RE.match(n)
         if m:
-            out.append((int(m.group(1)), int(m.group(2)), n))
+            out.append(PlanFile(int(m.group(1)), int(m.group(2)), layout.plans / n))
     return sorted(out)
 
 
-def valid_plans(layout: RunLayout) -> dict[int, Plan]:
-    """step -> the one valid plan of that step (fenced-out zombie plans are ignored)."""
+def valid_plan_files(layout: RunLayout) -> dict[int, PlanFile]:
+    """step -> the file of that step's one valid plan (fenced-out zombie plans are left out), without reading it."""
     claims = _epoch_claims(layout)
+    out: dict[int, PlanFile] = {}
+    for f in _plan_files(layout):
+        if not any(e > f.epoch and f.step > max_step for e, max_step in claims.items()):
+            out[f.step] = f
+    return out
+
+
+def read_plan(f: PlanFile) -> Plan:
+    """The plan in ``f``; RecordError when it is not a valid plan or not the one its name says."""
+    plan = read_record(Plan, f.path)
+    for name, expected in (("step", f.step), ("epoch", f.epoch)):
+        if getattr(plan, name) != expected:
+            raise RecordError(f.path, name, f"is {getattr(plan, name)}, the file name says {expected}")
+    return plan
+
+
+def valid_plans(layout: RunLayout, problems: list[str] | None = None) -> dict[int, Plan]:
+    """step -> the one valid plan of that step (fenced-out zombie plans are ignored).
+
+    A plan file that is not a valid record raises RecordError, or, when ``problems`` is given (a status view), is
+    reported there and left out.
+    """
     out: dict[int, Plan] = {}
-    for step, epoch, name in _plan_files(layout):
-        if any(e > epoch and step > max_step for e, max_step in claims.items()):
-            continue
-        rec = read_json_or_none(layout.plans / name)
-        if isinstance(rec, dict):
-            out[step] = Plan.from_json(rec)
+    for step, f in valid_plan_files(layout).items():
+        try:
+            out[step] = read_plan(f)
+        except RecordError as e:
+            if problems is None:
+                raise
+            problems.append(str(e))
     return out
 
 
@@ -123,13 +129,16 @@ class PlanLog:
     def claim(cls, layout: RunLayout) -> PlanLog:
         """Start a new incarnation: claim the next epoch, fencing out every older one."""
         layout.epochs.mkdir(parents=True, exist_ok=True)
-        while True:
-            claims = _epoch_claims(layout)
-            epoch = max(claims, default=0) + 1
-            max_step = max(valid_plans(layout), default=0)
-            rec = {"epoch": epoch, "max_step": max_step, "host": HOST, "pid": os.getpid(), "at": time.time()}
-            if create_json_exclusive(layout.epoch(epoch), rec):
-                return cls(layout, epoch)
+
+        def claim_record(epoch: int) -> bytes:
+            # what this incarnation has seen right before the claim: plans up to here stay valid
+            max_step = max(valid_plan_files(layout), default=0)
+            return EpochClaim(
+                epoch=epoch, max_step=max_step, host=HOST, pid=os.getpid(), at=time.time()
+            ).to_bytes()
+
+        epoch = claim_next(layout.epoch, claim_record, first=max(_epoch_claims(layout), default=0) + 1)
+        return cls(layout, epoch)
 
     def check_not_fenced(self) -> None:
         newer = [e for e in _epoch_claims(self.layout) if e > self.epoch]
@@ -152,11 +161,17 @@ class PlanLog:
     ) -> Plan:
         """Durably record what ``step`` consumes, before training on it."""
         self.check_not_fenced()
-        existing = self.plans().get(step)
-        if existing is not None:
+        if step in valid_plan_files(self.layout):
             raise FileExistsError(f"{self.layout.plans}: step {step} already has a plan; replay it instead")
-        plan = Plan(step, self.epoch, shards, sample_ids, dropped_ids or [], extra or {})
-        if not create_json_exclusive(self.layout.plan(step, self.epoch), plan.to_json()):
+        plan = Plan(
+            step=step,
+            epoch=self.epoch,
+            shards=shards,
+            sample_ids=sample_ids,
+            dropped_ids=dropped_ids or [],
+            extra=extra or {},
+        )
+        if not create_record(self.layout.plan(step, self.epoch), plan):
             raise FileExistsError(f"{self.layout.plan(step, self.epoch)}: exists with other content")
         return plan
 

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from .fsio import TRANSIENT_ERRNOS, fsync_dir, tmp_name, write_json_atomic
+from .fsio import fsync_dir, retry_transient, tmp_name, write_json_atomic
 from .layout import RunLayout
 from .schema import OPTIONAL_NAMES, REQUIRED_NAMES, schema_problem, schema_with_metadata
 
@@ -207,20 +207,17 @@ def list_ready(layout: RunLayout) -> list[ShardName]:
     return sorted(parsed, key=lambda s: (s.worker_id, s.incarnation, s.seq))
 
 
-def _read_buffer(path: Path, attempts: int = 5, delay_s: float = 0.05) -> pa.Buffer:
-    """The file's bytes, memory-mapped (no copy); transient errors are retried with backoff.
+def _read_buffer(path: Path) -> pa.Buffer:
+    """The file's bytes, memory-mapped (no copy); transient errors are retried (``fsio.retry_transient``).
 
     Mapping is safe here because shards are immutable once published and never deleted while a run reads them.
     """
-    for i in range(attempts):
-        try:
-            with pa.memory_map(str(path)) as src:
-                return src.read_buffer()
-        except OSError as e:
-            if e.errno not in TRANSIENT_ERRNOS or i == attempts - 1:
-                raise
-            time.sleep(delay_s * 2**i)
-    raise AssertionError("unreachable")
+
+    def read() -> pa.Buffer:
+        with pa.memory_map(str(path)) as src:
+            return src.read_buffer()
+
+    return retry_transient(read)
 
 
 def _values(col: pa.ChunkedArray) -> np.ndarray:

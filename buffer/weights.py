@@ -8,13 +8,12 @@ A publisher killed at any point leaves LATEST on the previous complete version.
 
 Reading (worker side): ``latest_version`` reads the small pointer file (cheap to poll on NFS), ``verify_version``
 checks the manifest against the files (sizes always, checksums optionally), so a worker never loads a half-published
-or damaged version.
+or damaged version.  LATEST and the manifest are ``records.LatestPointer`` / ``records.WeightsManifest``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -22,14 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fsio import (
-    fsync_dir,
-    read_json,
-    read_json_or_none,
-    retry_transient,
-    write_json_atomic,
-)
+from .fsio import fsync_dir, retry_transient
 from .layout import RunLayout
+from .records import LatestPointer, ManifestFile, RecordError, WeightsManifest, read_record, write_record
 
 MANIFEST = "manifest.json"
 
@@ -81,52 +75,61 @@ def commit_version(
             rel = str(p.relative_to(staging))
             with open(p, "rb+") as f:  # the writer may have been another process: make its bytes durable
                 os.fsync(f.fileno())
-            files[rel] = {"size": p.stat().st_size, "sha256": known.get(rel) or sha256_file(p)}
+            files[rel] = ManifestFile(size=p.stat().st_size, sha256=known.get(rel) or sha256_file(p))
     if not any(name.endswith(".safetensors") for name in files):
         raise WeightsError(f"{staging}: no *.safetensors file to publish")
-    manifest = {"version": version, "step": step, "dtype": dtype, "created_at": time.time(), "files": files}
-    write_json_atomic(staging / MANIFEST, manifest)
+    manifest = WeightsManifest(version=version, step=step, dtype=dtype, created_at=time.time(), files=files)
+    write_record(staging / MANIFEST, manifest)
     final = layout.weight_version(version)
     if final.exists():
         raise WeightsError(f"{final}: version {version} is already published")
     staging.rename(final)
     fsync_dir(layout.weights)
-    write_json_atomic(layout.latest_pointer, {"version": version, "path": final.name, "step": step})
+    write_latest(layout, version, step)
     return WeightVersion(version, final, step, dtype)
 
 
+def write_latest(layout: RunLayout, version: int, step: int) -> None:
+    """Point LATEST at ``version`` (atomically); ``commit_version`` does this once the version is sealed."""
+    write_record(
+        layout.latest_pointer,
+        LatestPointer(version=version, path=layout.weight_version(version).name, step=step),
+    )
+
+
 def latest_version(layout: RunLayout) -> int:
-    """The version LATEST points at; 0 (the base model) when nothing has been published."""
-    ptr = read_json_or_none(layout.latest_pointer)
-    if not isinstance(ptr, dict) or not isinstance(ptr.get("version"), int):
+    """The version LATEST points at; 0 (the base model) when nothing has been published.
+
+    A LATEST that is not a valid pointer raises RecordError: loading or numbering versions from a guess is worse.
+    """
+    try:
+        return read_record(LatestPointer, layout.latest_pointer, attempts=2).version
+    except FileNotFoundError:
         return 0
-    return int(ptr["version"])
 
 
 def verify_version(layout: RunLayout, version: int, *, checksums: bool = False) -> WeightVersion:
     """Check version ``version`` against its manifest; raise WeightsError naming what is wrong."""
     path = layout.weight_version(version)
     try:
-        manifest = retry_transient(lambda: read_json(path / MANIFEST))
+        manifest = read_manifest(path)
     except FileNotFoundError:
         raise WeightsError(f"{path / MANIFEST}: missing (version not published or deleted)") from None
-    except ValueError as e:
-        raise WeightsError(f"{path / MANIFEST}: not valid JSON: {e}") from None
-    if manifest.get("version") != version:
-        raise WeightsError(
-            f"{path / MANIFEST}: field version is {manifest.get('version')!r}, expected {version}"
-        )
-    for rel, meta in manifest.get("files", {}).items():
+    except RecordError as e:
+        raise WeightsError(str(e)) from None
+    if manifest.version != version:
+        raise WeightsError(f"{path / MANIFEST}: field version is {manifest.version}, expected {version}")
+    for rel, meta in manifest.files.items():
         f = path / rel
         try:
             size = retry_transient(f.stat).st_size
         except FileNotFoundError:
             raise WeightsError(f"{f}: listed in the manifest but missing") from None
-        if size != meta["size"]:
-            raise WeightsError(f"{f}: size {size} != manifest size {meta['size']}")
-        if checksums and sha256_file(f) != meta["sha256"]:
+        if size != meta.size:
+            raise WeightsError(f"{f}: size {size} != manifest size {meta.size}")
+        if checksums and sha256_file(f) != meta.sha256:
             raise WeightsError(f"{f}: sha256 does not match the manifest")
-    return WeightVersion(version, path, int(manifest.get("step", 0)), str(manifest.get("dtype", "")))
+    return WeightVersion(version, path, manifest.step, manifest.dtype)
 
 
 def read_latest(layout: RunLayout, *, checksums: bool = False) -> WeightVersion | None:
@@ -170,5 +173,11 @@ def abandoned_staging(layout: RunLayout) -> list[Path]:
     return out
 
 
+def read_manifest(path: Path) -> WeightsManifest:
+    """The manifest of the version directory ``path``; RecordError when it is not a valid manifest."""
+    return read_record(WeightsManifest, path / MANIFEST)
+
+
 def manifest_of(path: Path) -> dict:
-    return json.loads((path / MANIFEST).read_text())
+    """The manifest as a JSON object (``read_manifest`` is the typed one)."""
+    return read_manifest(path).to_json()

@@ -136,11 +136,9 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             return 0
         return run_demo(args, overrides)
     if args.cmd == "report":
-        from .report import write_report
+        from .report import main as report_main
 
-        for p in write_report(_existing(args.run)):
-            print(p)
-        return 0
+        return report_main(_existing(args.run))
     raise AssertionError(args.cmd)
 
 

@@ -21,14 +21,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from buffer import heartbeats, weights
+from buffer import heartbeats, metrics, procs, weights
 from buffer.config import load_toml
 from buffer.control import read_state, write_command
 from buffer.layout import RunLayout
+from buffer.records import RecordError, TrainerStatus
 from buffer.run import Run, open_run
+from buffer.status import BacklogCounter
 from rollout_worker.tasks import first_digit, task_prompts
 
-from .report import last_record, read_jsonl, write_report
+from .report import PlotsUnavailable, write_report
 from .runs import init_run
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
@@ -40,7 +42,7 @@ class Evaluator(threading.Thread):
     def __init__(self, run: Run, every: int):
         super().__init__(daemon=True)
         self.job, self.every = run, max(1, every)
-        self.results: list[dict[str, Any]] = read_jsonl(run.layout.metrics_file("eval"))
+        self.results: list[dict[str, Any]] = metrics.read_all(run.layout.metrics_file("eval"))
         self.stop = threading.Event()
         self.busy = "loading evaluator"
 
@@ -81,8 +83,7 @@ class Evaluator(threading.Thread):
 
     def _record(self, rec: dict[str, Any]) -> None:
         self.results.append(rec)
-        with open(self.job.layout.metrics_file("eval"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        metrics.append(self.job.layout.metrics_file("eval"), rec)
 
     def final(self) -> dict[str, Any] | None:
         v = weights.latest_version(self.job.layout)
@@ -101,40 +102,33 @@ def _quiet_transformers() -> None:
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with open(log, "ab") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return procs.start_group(cmd, log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _stop(procs: list[subprocess.Popen], deadline_s: float = 30.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    end = time.monotonic() + deadline_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+def _trainer(layout: RunLayout) -> TrainerStatus | None:
+    """The trainer's record; None before it writes one, or while it is unreadable (`shardrl status` names why)."""
+    try:
+        return heartbeats.load_trainer(layout)
+    except (RecordError, OSError):
+        return None
 
 
-def _view(run: Run, ev: Evaluator, t0: float, target: int, trainer_alive: bool) -> Any:
+def _view(
+    run: Run, ev: Evaluator, t0: float, target: int, trainer_alive: bool, backlog: BacklogCounter
+) -> Any:
     from rich.table import Table
 
     layout = run.layout
-    tr = heartbeats.read_trainer(layout) or {}
-    m = last_record(layout.metrics_file("trainer"))
+    tr = _trainer(layout)
+    m = metrics.last(layout.metrics_file("trainer")) or {}
     acc = ev.results[-1] if ev.results else None
     t = Table(
         title=f"shardrl demo — {layout.root}  ({time.monotonic() - t0:.0f} s)",
         show_header=False,
         expand=False,
     )
-    t.add_row(
-        "trainer",
-        f"step {tr.get('step', 0)}/{target}  state {tr.get('state', 'starting (building model)' if trainer_alive else 'not running')}",
-    )
+    state = tr.state if tr else "starting (building model)" if trainer_alive else "not running"
+    t.add_row("trainer", f"step {tr.step if tr else 0}/{target}  state {state}")
     t.add_row("reward", f"{m.get('reward_mean', 0):.3f} (mean of step samples)")
     t.add_row(
         "greedy accuracy",
@@ -142,15 +136,17 @@ def _view(run: Run, ev: Evaluator, t0: float, target: int, trainer_alive: bool) 
     )
     t.add_row("weights", f"latest v{weights.latest_version(layout)}")
     t.add_row("staleness", f"{m.get('staleness_mean', 0):.2f} mean, {m.get('staleness_max', 0)} max")
-    t.add_row("backlog", f"{tr.get('unconsumed_samples', 0)} unconsumed samples")
+    t.add_row("backlog", f"{backlog.read([]).unconsumed_samples} unconsumed samples")
     t.add_row("trainer wait", f"{100 * m.get('wait_frac', 0):.0f}% of last step")
     t.add_row("workers", f"desired {read_state(layout).desired}")
-    for w in heartbeats.read_workers(layout):
+    workers = heartbeats.load_workers(layout)
+    for w in workers.records:
         t.add_row(
-            f"  {w.get('id')}",
-            f"{w.get('state')}  v{w.get('weights_version')}  {w.get('samples', 0)} samples  "
-            f"{w.get('tokens_per_s') or 0:.0f} tok/s",
+            f"  {w.id}",
+            f"{w.state}  v{w.weights_version}  {w.samples} samples  {w.tokens_per_s or 0:.0f} tok/s",
         )
+    for problem in workers.problems:
+        t.add_row("  [red]bad record[/red]", problem)
     return t
 
 
@@ -178,8 +174,8 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         open_run(layout.root) if layout.run_json.exists() else init_run(layout.root, _config(args, overrides))
     )
     target = args.steps or run.config.trainer.max_steps or 100
-    tr = heartbeats.read_trainer(layout) or {}
-    remaining = target - int(tr.get("step", 0))
+    tr = _trainer(layout)
+    remaining = target - (tr.step if tr else 0)
     t0 = time.monotonic()
     ev = Evaluator(run, max(1, run.config.trainer.eval_every))
     ev.start()
@@ -201,26 +197,27 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         [py, "-P", "-m", "trainer", "--run", str(layout.root), "--max-steps", str(max(remaining, 0))],
         layout.logs / "demo-trainer.log",
     )
-    procs = [trainer, supervisor]
+    children = [trainer, supervisor]
     interrupted = False
     added = args.workers <= 1 or read_state(layout).desired >= args.workers
     try:
         from rich.live import Live
 
-        with Live(_view(run, ev, t0, target, True), refresh_per_second=2) as live:
+        counter = BacklogCounter(layout)
+        with Live(_view(run, ev, t0, target, True, counter), refresh_per_second=2) as live:
             while trainer.poll() is None:
                 time.sleep(0.5)
-                step = int((heartbeats.read_trainer(layout) or {}).get("step", 0))
+                step = tr.step if (tr := _trainer(layout)) else 0
                 if not added and step >= min(10, target // 3):
                     write_command(
                         layout, "add", args.workers - read_state(layout).desired
                     )  # a second worker joins
                     added = True
-                live.update(_view(run, ev, t0, target, True))
+                live.update(_view(run, ev, t0, target, True, counter))
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        _stop(procs)
+        procs.stop_groups(children, 30.0, leader_only=True)  # each drains its own children first
         ev.stop.set()
     if interrupted:
         print(f"stopped; run `shardrl demo --run {layout.root}` again to resume from its checkpoint")
@@ -233,20 +230,24 @@ def _finish(run: Run, ev: Evaluator, t0: float, target: int, trainer_rc: int | N
     ev.join(timeout=60)
     final = ev.final()
     initial = next((r for r in ev.results if r["version"] == 0), None)
-    tr = heartbeats.read_trainer(layout) or {}
+    tr = _trainer(layout)
     summary = {
         "initial_accuracy": None if initial is None else initial["accuracy"],
         "final_accuracy": None if final is None else final["accuracy"],
-        "steps": tr.get("step", 0),
+        "steps": tr.step if tr else 0,
         "target_steps": target,
-        "samples_consumed": tr.get("consumed_samples", 0),
+        "samples_consumed": BacklogCounter(layout).read([]).consumed_samples,
         "weight_versions_published": weights.latest_version(layout),
         "wall_s": round(time.monotonic() - t0, 1),
         "accuracy_by_step": [(r["step"], r["accuracy"]) for r in ev.results],
         "trainer_exit_code": trainer_rc,
     }
     layout.demo_summary.write_text(json.dumps(summary, indent=1) + "\n")
-    plots = write_report(layout)
     print(json.dumps({k: v for k, v in summary.items() if k != "accuracy_by_step"}, indent=1))
-    print(f"summary: {layout.demo_summary}\nplots:   " + "\n         ".join(str(p) for p in plots))
+    print(f"summary: {layout.demo_summary}")
+    try:
+        plots = write_report(layout)
+        print("plots:   " + ("\n         ".join(str(p) for p in plots) or "none (nothing to plot)"))
+    except PlotsUnavailable as e:
+        print(f"plots:   none ({e})")
     return 0 if trainer_rc == 0 else 1

@@ -1,59 +1,76 @@
 """`shardrl report RUN`: PNG plots of a run's metrics, written into RUN/plots.
 
 Reads only files of the run directory: metrics/trainer.jsonl, metrics/eval.jsonl, metrics/rollout-*.jsonl and the
-plans (staleness of consumed samples).  Needs matplotlib (the `plots` or `dev` extra).
+plans (staleness of consumed samples).  A plot is drawn only when it has data; a run with none gets no PNG at all.
+Needs matplotlib (the `plots` or `dev` extra).
 """
 
 from __future__ import annotations
 
-import json
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from buffer import plans
+from buffer import metrics, plans
 from buffer.layout import RunLayout
+from buffer.records import RecordError
+
+INSTALL_HINT = "matplotlib is not installed; install the plots extra: pip install 'shardrl[plots]'"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being appended right now
-    return out
+class PlotsUnavailable(RuntimeError):
+    """matplotlib is missing (the message says how to install it)."""
 
 
-def last_record(path: Path, tail_bytes: int = 65536) -> dict[str, Any]:
-    """The last complete record of a JSONL file, reading only its tail (the live view polls it twice a second)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - tail_bytes))
-            lines = f.read().decode(errors="replace").splitlines()
-    except FileNotFoundError:
-        return {}
-    for line in reversed(lines):
-        try:
-            return dict(json.loads(line))
-        except ValueError:
-            continue  # a line being appended, or cut by the seek
-    return {}
+@dataclass
+class RunMetrics:
+    """What the plots draw, read once from the run directory."""
+
+    trainer: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    staleness: list[int]
+    rollout: dict[str, list[dict[str, Any]]]  # worker id -> its records
+    problems: list[str] = field(default_factory=list)  # plan files left out
+
+    @classmethod
+    def read(cls, layout: RunLayout) -> RunMetrics:
+        problems: list[str] = []
+        stale = [
+            s for p in plans.valid_plans(layout, problems).values() for s in p.extra.get("staleness", [])
+        ]
+        files = sorted(layout.metrics.glob("rollout-*.jsonl")) if layout.metrics.is_dir() else []
+        rollout = {f.stem.removeprefix("rollout-"): metrics.read_all(f) for f in files}
+        return cls(
+            trainer=metrics.read_all(layout.metrics_file("trainer")),
+            evals=metrics.read_all(layout.metrics_file("eval")),
+            staleness=[int(s) for s in stale],
+            rollout={w: recs for w, recs in rollout.items() if recs},
+            problems=problems,
+        )
+
+    @property
+    def empty(self) -> bool:
+        return not (self.trainer or self.evals or self.staleness or self.rollout)
 
 
-def _trainer_plot(plt: Any, layout: RunLayout, trainer: list[dict], evals: list[dict]) -> Path:
+def staleness_bins(stale: list[int]) -> list[float]:
+    """Histogram edges with one bin per integer staleness 0..max, centred on it."""
+    return [k - 0.5 for k in range(max(stale, default=0) + 2)]
+
+
+def _trainer_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    if trainer:
+    if data.trainer:
         ax.plot(
-            [m["step"] for m in trainer],
-            [m.get("reward_mean", 0) for m in trainer],
+            [m["step"] for m in data.trainer],
+            [m.get("reward_mean", 0) for m in data.trainer],
             label="mean reward (samples)",
         )
-    if evals:
+    if data.evals:
         ax.plot(
-            [e["step"] for e in evals],
-            [e["accuracy"] for e in evals],
+            [e["step"] for e in data.evals],
+            [e["accuracy"] for e in data.evals],
             "o-",
             label="greedy accuracy (100 prompts)",
         )
@@ -65,82 +82,109 @@ def _trainer_plot(plt: Any, layout: RunLayout, trainer: list[dict], evals: list[
     )
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, layout, "reward_accuracy.png")
+    return _save(plt, fig, layout, "reward_accuracy.png")
 
 
-def _staleness_plot(plt: Any, layout: RunLayout) -> Path:
-    stale: list[int] = []
-    for p in plans.valid_plans(layout).values():
-        stale.extend(p.extra.get("staleness", []))
+def _staleness_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(6, 4))
-    if stale:
-        ax.hist(stale, bins=range(0, max(stale) + 2), align="left", rwidth=0.8)
+    ax.hist(data.staleness, bins=staleness_bins(data.staleness), rwidth=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(
         xlabel="staleness (trainer version - sample's policy version)",
         ylabel="consumed samples",
         title="Policy staleness of consumed samples",
     )
-    return _save(fig, layout, "staleness_hist.png")
+    return _save(plt, fig, layout, "staleness_hist.png")
 
 
-def _rollout_plot(plt: Any, layout: RunLayout) -> Path:
+def _rollout_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    files = sorted(layout.metrics.glob("rollout-*.jsonl")) if layout.metrics.is_dir() else []
-    per_worker = {f.stem.removeprefix("rollout-"): read_jsonl(f) for f in files}
-    t0 = min((recs[0]["time"] for recs in per_worker.values() if recs), default=0.0)
-    for worker, recs in per_worker.items():
+    t0 = min(recs[0]["time"] for recs in data.rollout.values())
+    for worker, recs in data.rollout.items():
         ax.plot([r["time"] - t0 for r in recs], [r.get("tokens_per_s", 0) for r in recs], label=worker)
     ax.set(
         xlabel="time since first batch (s)",
         ylabel="generated tokens/s",
         title="Rollout throughput per worker",
     )
-    if files:
-        ax.legend()
+    ax.legend()
     ax.grid(alpha=0.3)
-    return _save(fig, layout, "rollout_tokens_per_s.png")
+    return _save(plt, fig, layout, "rollout_tokens_per_s.png")
 
 
-def _trainer_timing_plot(plt: Any, layout: RunLayout, trainer: list[dict]) -> Path:
+def _trainer_timing_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    steps = [m["step"] for m in trainer]
-    a1.plot(steps, [100 * m.get("wait_frac", 0) for m in trainer])
+    steps = [m["step"] for m in data.trainer]
+    a1.plot(steps, [100 * m.get("wait_frac", 0) for m in data.trainer])
     a1.set(
         xlabel="trainer step",
         ylabel="waiting for samples (% of step)",
         title="Trainer wait fraction",
         ylim=(0, 100),
     )
-    pub = [(m["step"], m["publish_s"]) for m in trainer if "publish_s" in m]
+    pub = [(m["step"], m["publish_s"]) for m in data.trainer if "publish_s" in m]
     a2.plot([s for s, _ in pub], [1000 * v for _, v in pub], ".")
     a2.set(xlabel="trainer step", ylabel="publish time (ms)", title="Weight publish time")
     for a in (a1, a2):
         a.grid(alpha=0.3)
-    return _save(fig, layout, "trainer_wait_publish.png")
+    return _save(plt, fig, layout, "trainer_wait_publish.png")
 
 
-def _save(fig: Any, layout: RunLayout, name: str) -> Path:
+def _save(plt: Any, fig: Any, layout: RunLayout, name: str) -> Path:
     layout.plots.mkdir(parents=True, exist_ok=True)
     path = layout.plots / name
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    import matplotlib.pyplot as plt
-
     plt.close(fig)
     return path
 
 
-def write_report(layout: RunLayout) -> list[Path]:
-    import matplotlib
-
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotsUnavailable(INSTALL_HINT) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    trainer = read_jsonl(layout.metrics_file("trainer"))
-    evals = read_jsonl(layout.metrics_file("eval"))
-    return [
-        _trainer_plot(plt, layout, trainer, evals),
-        _staleness_plot(plt, layout),
-        _rollout_plot(plt, layout),
-        _trainer_timing_plot(plt, layout, trainer),
-    ]
+    return plt
+
+
+def write_report(layout: RunLayout, data: RunMetrics | None = None) -> list[Path]:
+    """The plots that have data, as PNG files in RUN/plots; [] when the run has nothing to plot yet.
+
+    Raises PlotsUnavailable without matplotlib (only when there is something to plot).
+    """
+    data = data if data is not None else RunMetrics.read(layout)
+    if data.empty:
+        return []
+    plt = _pyplot()
+    out = []
+    if data.trainer or data.evals:
+        out.append(_trainer_plot(plt, layout, data))
+    if data.staleness:
+        out.append(_staleness_plot(plt, layout, data))
+    if data.rollout:
+        out.append(_rollout_plot(plt, layout, data))
+    if data.trainer:
+        out.append(_trainer_timing_plot(plt, layout, data))
+    return out
+
+
+def main(layout: RunLayout) -> int:
+    """`shardrl report RUN`: print the PNGs written, or why there are none.  Exit 1 when plots cannot be drawn."""
+    try:
+        data = RunMetrics.read(layout)
+        paths = write_report(layout, data)
+    except (PlotsUnavailable, RecordError) as e:
+        print(f"shardrl report: {e}", file=sys.stderr)
+        return 1
+    for problem in data.problems:
+        print(f"shardrl report: left out: {problem}", file=sys.stderr)
+    if not paths:
+        print(f"{layout.root}: no metrics or consumed samples yet, nothing to plot")
+    for p in paths:
+        print(p)
+    return 0

@@ -1,4 +1,5 @@
-"""`shardrl status`: the human view of a run snapshot (``buffer.status.snapshot``)."""
+"""`shardrl status`: the human view of a run snapshot (``buffer.status.snapshot``); records that cannot be read are
+listed as problems at the end."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 def render(snap: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     con = Console()
@@ -14,11 +16,12 @@ def render(snap: dict[str, Any]) -> None:
     con.print(f"[bold]run[/bold] {snap['run']}")
     con.print(
         f"desired workers {snap['desired_workers']} (generation {ctl['generation']})   "
-        f"latest weights v{snap['latest_weights_version']}   trainer step {tr['step']} ({tr['state']})"
+        f"latest weights v{_n(snap['latest_weights_version'])}   trainer step {tr['step']} ({tr['state']})"
     )
     con.print(
-        f"shards ready {sh['ready']} ({sh['ready_samples']} samples)   consumed {sh['consumed_samples']}   "
-        f"unconsumed {sh['unconsumed_samples']}   quarantined {sh['quarantined']}"
+        f"shards ready {sh['ready']} ({sh['ready_samples']} samples)   consumed {_n(sh['consumed_samples'])} "
+        f"(dropped as stale {_n(sh['dropped_samples'])})   unconsumed {_n(sh['unconsumed_samples'])}   "
+        f"quarantined {sh['quarantined']}"
     )
     if ctl["last_applied"]:
         con.print(
@@ -39,3 +42,9 @@ def render(snap: dict[str, Any]) -> None:
             (w["last_error"] or "")[:60],
         )
     con.print(table)
+    for problem in snap["problems"]:
+        con.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
+
+
+def _n(count: int | None) -> str:
+    return "?" if count is None else str(count)

@@ -23,12 +23,15 @@ import torch
 
 from buffer import heartbeats, weights
 from buffer.config import ConfigError
+from buffer.metrics import Sinks, open_sinks
 from buffer.plans import FencedError, PlanLog
+from buffer.records import TrainerStatus
 from buffer.run import Run
+from buffer.status import BacklogCounter
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
 from trainer.data import Planner, Sample
-from trainer.metrics import MetricSink, setup_logging, step_line
+from trainer.metrics import setup_logging, step_line
 from trainer.model import build_actor, build_critic, build_optimizer, build_reference, build_scheduler
 from trainer.publish import publish_weights
 from trainer.step import Models, train_step
@@ -166,9 +169,11 @@ class Feeder:
         self.run, self.stop = run, stop
         self.timed_out = False
         self.planner: Planner | None = None
+        self.backlog: BacklogCounter | None = None
         self.replay: dict[int, Any] = {}
         if plan_log is not None:
             self.planner = Planner(run.layout, plan_log, run.config.model.vocab_size)
+            self.backlog = BacklogCounter(run.layout)
             self.replay = {p.step: p for p in plan_log.replay(after_step=state.step)}
             if self.replay:
                 log.info("replaying recorded plans of steps %s", sorted(self.replay))
@@ -208,13 +213,10 @@ class Feeder:
         return None, time.monotonic() - t0
 
     def counts(self) -> dict[str, int]:
-        if self.planner is None:
+        """The run's backlog (``buffer.status.Backlog``) and the shards this trainer quarantined (rank 0)."""
+        if self.planner is None or self.backlog is None:
             return {}
-        return {
-            "consumed_samples": len(self.planner.consumed),
-            "unconsumed_samples": self.planner.unconsumed_count(),
-            "quarantined": self.planner.cache.quarantined,
-        }
+        return {**self.backlog.read().as_counts(), "quarantined": self.planner.cache.quarantined}
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
@@ -225,11 +227,11 @@ class Reporter:
 
     def __init__(self, run: Run, epoch: int, state: TrainState):
         self.epoch, self.resumed_from = epoch, state.step
-        self.sink: MetricSink | None = None
-        self.writer: heartbeats.StatusWriter | None = None
+        self.sink: Sinks | None = None
+        self.writer: heartbeats.StatusWriter[TrainerStatus] | None = None
         if tdist.is_main():
             tb = run.layout.root / "tensorboard" if run.config.trainer.tensorboard else None
-            self.sink = MetricSink(run.layout.metrics_file("trainer"), tb)
+            self.sink = open_sinks(run.layout.metrics_file("trainer"), tb)
             self.writer = heartbeats.trainer_status(run.layout, epoch=epoch, resumed_from=state.step)
 
     def status(self, what: str, step: int, version: int, counts: dict[str, int], **extra: Any) -> None:

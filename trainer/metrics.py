@@ -1,12 +1,11 @@
-"""Metric sinks behind one ``log(metrics, step)`` interface (JSONL always, TensorBoard when installed) and the
-one fixed-field line per step that rank 0 prints."""
+"""The trainer's logging setup and the one fixed-field line per step that rank 0 prints.
+
+The metric sinks themselves (JSONL always, TensorBoard when installed) are ``buffer.metrics.open_sinks``.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("trainer")
@@ -20,33 +19,6 @@ def setup_logging(rank: int) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
-
-
-class MetricSink:
-    def __init__(self, jsonl: Path, tensorboard_dir: Path | None = None):
-        self.jsonl = jsonl
-        jsonl.parent.mkdir(parents=True, exist_ok=True)
-        self.tb: Any = None
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(tensorboard_dir))
-            except ImportError:
-                self.tb = None
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        rec = {"step": step, "time": time.time(), **metrics}
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, int | float):
-                    self.tb.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
 
 
 def step_line(step: int, m: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer import control, shards
+from buffer import SCHEMA_VERSION, control, shards
 from buffer.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_help_does_not_import_torch():
 def test_init_writes_layout_and_is_idempotent_but_refuses_conflicts(run_dir):
     layout = RunLayout.of(run_dir)
     meta = json.loads(layout.run_json.read_text())
-    assert meta["schema_version"] == 1 and meta["run_id"]
+    assert meta["schema_version"] == SCHEMA_VERSION and meta["run_id"]
     cfg = json.loads(layout.config_json.read_text())
     assert cfg["rollout"]["sampling"]["n"] == 4 and cfg["model"]["vocab_size"] > 10
     assert (layout.base_model / "config.json").exists()

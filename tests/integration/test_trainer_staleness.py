@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 from buffer import shards
-from buffer.fsio import write_json_atomic
 from buffer.heartbeats import read_trainer
 from buffer.layout import RunLayout
 from buffer.plans import valid_plans
 from buffer.run import open_run
 from buffer.shards import ShardWriter
+from buffer.weights import write_latest
 
 from ._trainer_helpers import command, make_run, metrics, run_ok, trainer_args
 
@@ -59,7 +59,7 @@ def _run_at_version(tmp: Path, model: Path, mode: str) -> RunLayout:
     )
     _shard(layout, "old", version=0, groups=2)
     _shard(layout, "new", version=3, groups=2)
-    write_json_atomic(layout.latest_pointer, {"version": 3, "path": "v000003", "step": 0})
+    write_latest(layout, 3, step=0)
     run_ok(command(1, *trainer_args(layout, "--max-steps", 1)), tmp / f"{mode}.log")
     return layout
 

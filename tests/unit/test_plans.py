@@ -46,10 +46,10 @@ def test_fenced_incarnation_cannot_write_and_its_late_plans_are_ignored(tmp_path
     with pytest.raises(plans.FencedError):
         old.write_plan(2, ["a"], _ids(2, 2))
     # even if the zombie raced past the check, a plan it writes after the claim is not valid
-    from buffer.fsio import create_json_exclusive
+    from buffer.records import create_record
 
-    zombie = plans.Plan(2, old.epoch, ["a"], _ids(2, 2))
-    create_json_exclusive(layout.plan(2, old.epoch), zombie.to_json())
+    zombie = plans.Plan(step=2, epoch=old.epoch, shards=["a"], sample_ids=_ids(2, 2))
+    create_record(layout.plan(2, old.epoch), zombie)
     assert 2 not in new.plans()
     new.write_plan(2, ["a"], _ids(2, 4))
     assert new.plans()[2].sample_ids == _ids(2, 4)

@@ -1,18 +1,53 @@
-"""Reading the metrics files the live view and the plots use."""
+"""`shardrl report`: plots only what has data, says so on an empty run, says how to get matplotlib."""
 
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
 
-from shardrl.report import last_record, read_jsonl
+import numpy as np
+import pytest
+
+from buffer import metrics, plans
+from shardrl import report
+
+from .buffer_helpers import make_layout
 
 
-def test_last_record_skips_a_line_being_appended(tmp_path):
-    path = tmp_path / "trainer.jsonl"
-    path.write_text(
-        "".join(json.dumps({"step": s, "pad": "x" * 50}) + "\n" for s in range(1, 2001)) + '{"step": 20'
-    )
-    assert last_record(path)["step"] == 2000
-    assert last_record(path, tail_bytes=100)["step"] == 2000  # the seek cut the first line read: skipped
-    assert [r["step"] for r in read_jsonl(path)][-1] == 2000
-    assert last_record(tmp_path / "absent.jsonl") == {}
+def test_an_empty_run_has_nothing_to_plot_and_gets_no_png(tmp_path: Path, capsys) -> None:
+    layout = make_layout(tmp_path)
+    assert report.main(layout) == 0
+    assert "nothing to plot" in capsys.readouterr().out
+    assert not layout.plots.exists()
+
+
+def test_without_matplotlib_it_says_how_to_install_it(tmp_path: Path, capsys, monkeypatch) -> None:
+    layout = make_layout(tmp_path)
+    metrics.append(layout.metrics_file("trainer"), {"step": 1, "reward_mean": 0.2})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert report.main(layout) == 1
+    err = capsys.readouterr().err
+    assert "pip install 'shardrl[plots]'" in err and len(err.strip().splitlines()) == 1
+    assert not layout.plots.exists()
+
+
+def test_only_plots_with_data_are_drawn(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    layout = make_layout(tmp_path)
+    for s in (1, 2):
+        metrics.append(layout.metrics_file("trainer"), {"step": s, "reward_mean": 0.1 * s, "wait_frac": 0.5})
+    log = plans.PlanLog.claim(layout)
+    log.write_plan(1, ["a"], ["s0", "s1", "s2"], extra={"staleness": [0, 2, 2]})
+    assert report.main(layout) == 0
+    written = sorted(p.name for p in layout.plots.iterdir())
+    assert written == ["reward_accuracy.png", "staleness_hist.png", "trainer_wait_publish.png"]  # no rollout
+    assert capsys.readouterr().out.count(".png") == 3
+
+
+def test_staleness_histogram_has_one_bin_per_integer() -> None:
+    stale = [0, 0, 2, 3, 3, 3]
+    bins = report.staleness_bins(stale)
+    assert bins == [-0.5, 0.5, 1.5, 2.5, 3.5]
+    counts, _ = np.histogram(stale, bins=bins)
+    assert counts.tolist() == [2, 0, 1, 3]
+    assert report.staleness_bins([]) == [-0.5, 0.5]

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from buffer import shards
+from buffer import SCHEMA_VERSION, shards
 from buffer.schema import REQUIRED_FIELDS
 
 from .buffer_helpers import make_layout, sample
@@ -34,7 +34,7 @@ def test_shard_opens_with_plain_pyarrow_and_has_the_columns(tmp_path):
     assert meta[b"shardrl.run_id"] == b"run-1"
     assert meta[b"shardrl.worker_id"] == b"w0"
     assert meta[b"shardrl.seq"] == b"0"
-    assert meta[b"shardrl.schema_version"] == b"1"
+    assert meta[b"shardrl.schema_version"] == str(SCHEMA_VERSION).encode()
     assert len(set(table.column("sample_id").to_pylist())) == 4
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from buffer import heartbeats, weights
+from buffer.records import RecordError
 
 from .buffer_helpers import make_layout
 
@@ -57,9 +58,25 @@ def test_gc_keeps_last_k_latest_and_versions_in_use(tmp_path):
     layout = make_layout(tmp_path)
     for v in range(1, 7):
         _publish(layout, v)
-    w = heartbeats.worker_status(layout, "w0")
+    w = heartbeats.worker_status(layout, "w0", slot=0)
     w.update(state="running", weights_version=2)
-    heartbeats.worker_status(layout, "w1").update(state="stopped", weights_version=3)
+    heartbeats.worker_status(layout, "w1", slot=1).update(state="stopped", weights_version=3)
     deleted = weights.garbage_collect(layout, keep=2, in_use=heartbeats.versions_in_use(layout))
     assert deleted == [1, 3, 4]
     assert weights.published_versions(layout) == [2, 5, 6]
+
+
+def test_latest_and_manifest_are_typed_records(tmp_path):
+    layout = make_layout(tmp_path)
+    v = _publish(layout, 1)
+    assert weights.read_manifest(v.path).files["model.safetensors"].size == 100
+    layout.latest_pointer.write_text(json.dumps({"version": "1", "path": "v000001", "step": 0}))
+    with pytest.raises(RecordError, match=r"LATEST: field schema_version: missing"):
+        weights.latest_version(layout)  # never a guess at which version to load
+    weights.write_latest(layout, 1, step=10)
+    assert weights.latest_version(layout) == 1
+    manifest = json.loads((v.path / "manifest.json").read_text())
+    del manifest["files"]["config.json"]["sha256"]
+    (v.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(weights.WeightsError, match=r"manifest.json: field files.config.json.sha256: missing"):
+        weights.verify_version(layout, 1)  # a worker skips the version instead of crashing

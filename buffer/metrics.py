@@ -1,0 +1,159 @@
+"""Metrics files (``RUN/metrics/*.jsonl``): append a record, read them all, read the last few; and the sinks behind
+one ``log(metrics, step)`` interface (JSONL always, TensorBoard when it is installed).
+
+Each metrics file has one writer (the trainer's rank 0, one rollout worker, the demo's evaluator).  A record is one
+line written by one ``write`` on an O_APPEND descriptor, so a reader sees whole lines plus at most one line still
+being written; readers skip a line that does not parse.  A writer killed mid-line leaves a torn line behind: the next
+append starts a new line, so only the torn record is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+TAIL_BLOCK = 1 << 16
+
+
+def append(path: Path, record: Mapping[str, Any]) -> None:
+    """Append ``record`` as one JSON line (creating the file and its directory)."""
+    line = (json.dumps(dict(record)) + "\n").encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line  # the previous writer died mid-line
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None  # a line being written, or torn by a crash
+    return rec if isinstance(rec, dict) else None
+
+
+def read_all(path: Path) -> list[dict[str, Any]]:
+    """Every complete record of ``path``, in order; [] when it does not exist."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return [rec for line in data.split(b"\n") if (rec := _parse(line)) is not None]
+
+
+def tail(path: Path, n: int, block: int = TAIL_BLOCK) -> list[dict[str, Any]]:
+    """The last ``n`` complete records of ``path``, in order, reading backwards from the end only as far as needed
+    (live views poll this; the file grows with the run)."""
+    if n <= 0:
+        return []
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return []
+    newest_first: list[dict[str, Any]] = []
+    try:
+        pos, carry = os.fstat(fd).st_size, b""
+        while pos > 0 and len(newest_first) < n:
+            start = max(0, pos - block)
+            lines = (os.pread(fd, pos - start, start) + carry).split(b"\n")
+            pos = start
+            # the first piece may continue further back: keep it for the next block
+            carry, complete = (lines[0], lines[1:]) if pos > 0 else (b"", lines)
+            for line in reversed(complete):
+                if (rec := _parse(line)) is not None:
+                    newest_first.append(rec)
+                    if len(newest_first) == n:
+                        break
+    finally:
+        os.close(fd)
+    return newest_first[::-1]
+
+
+def last(path: Path) -> dict[str, Any] | None:
+    """The last complete record of ``path``; None when it has none."""
+    recs = tail(path, 1)
+    return recs[0] if recs else None
+
+
+# ---------------------------------------------------------------------------------------------- sinks
+
+
+class Sink(Protocol):
+    def log(self, metrics: Mapping[str, Any], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """``{"step": step, "time": wall clock, **metrics}`` per line."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        append(self.path, {"step": step, "time": time.time(), **metrics})
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """The numeric metrics as TensorBoard scalars."""
+
+    def __init__(self, writer: Any):
+        self.writer = writer
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, int | float):
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def tensorboard_sink(log_dir: Path) -> TensorBoardSink | None:
+    """A TensorBoard sink writing into ``log_dir``, or None (and one log line) when TensorBoard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        log.info("metrics: TensorBoard sink off (%s; `pip install tensorboard` turns it on)", e)
+        return None
+    return TensorBoardSink(SummaryWriter(str(log_dir)))
+
+
+class Sinks:
+    """Several sinks behind the one ``log(metrics, step)``."""
+
+    def __init__(self, sinks: Iterable[Sink]):
+        self.sinks = list(sinks)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        for s in self.sinks:
+            s.log(metrics, step)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+def open_sinks(jsonl: Path, tensorboard_dir: Path | None = None) -> Sinks:
+    """JSONL into ``jsonl``; TensorBoard too when ``tensorboard_dir`` is given and TensorBoard is installed."""
+    sinks: list[Sink] = [JsonlSink(jsonl)]
+    if tensorboard_dir is None:
+        log.info("metrics: TensorBoard sink off (not asked for)")
+    elif (tb := tensorboard_sink(tensorboard_dir)) is not None:
+        sinks.append(tb)
+    return Sinks(sinks)

@@ -1,0 +1,314 @@
+"""Typed records that cross the process boundary: status records, the LATEST pointer, the weights manifest, slot
+leases, plans and trainer epoch claims.
+
+One process writes each of these small JSON files and another reads it, so each has one definition here, with a
+``schema_version``.  Writing validates (a misspelt or mistyped field fails in the writer); reading is strict: every
+field must be present with the right type, and anything else is one ``RecordError`` line naming the file and the
+field, never a silent default.  Defaults exist only so that a writer need not name every field it does not know yet;
+they are written out, so a reader always sees every field.
+
+Bump a record's ``schema_version`` (its ``Literal``) when its fields change; a reader then names the mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal, Self, TypeVar, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .fsio import create_exclusive, json_bytes, retry_transient, write_atomic
+
+# The phases each process reports.  A process in one of the final states is not coming back by itself.
+WorkerState = Literal["starting", "loading", "running", "reloading", "paused", "stopped", "failed"]
+SupervisorState = Literal["starting", "running", "draining", "stopped"]
+TrainerState = Literal["starting", "waiting", "training", "stopped"]
+FINAL_STATES = frozenset({"stopped", "failed"})
+
+
+class RecordError(ValueError):
+    """A record file that is not valid JSON, lacks a field or has a wrong one; the message is one line."""
+
+    def __init__(self, source: Path | str, field: str | None, problem: str):
+        where = f"{source}: field {field}: " if field else f"{source}: "
+        super().__init__(where + problem)
+        self.source = str(source)
+        self.field = field
+        self.problem = problem
+
+
+class _Strict(BaseModel):
+    """Strict types and no unknown fields (parts of records, which carry no version of their own)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Record(_Strict):
+    """Base of every record: strict types, no unknown fields, ``schema_version`` checked first on reading."""
+
+    schema_version: int
+
+    @classmethod
+    def expected_version(cls) -> int:
+        return int(cls.model_fields["schema_version"].default)
+
+    @classmethod
+    def validated(cls, data: dict[str, Any], source: Path | str) -> Self:
+        """``data`` as this record for writing (defaults fill what the writer did not name), or RecordError."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise _record_error(e, source) from None
+
+    @classmethod
+    def parse(cls, data: Any, source: Path | str) -> Self:
+        """``data`` as read from ``source``: every field must be there; no default is applied."""
+        if not isinstance(data, dict):
+            raise RecordError(
+                source, None, f"expected a JSON object ({cls.__name__}), got {type(data).__name__}"
+            )
+        expected = cls.expected_version()
+        if data.get("schema_version", None) != expected:
+            got = "missing" if "schema_version" not in data else f"is {data['schema_version']!r}"
+            raise RecordError(
+                source,
+                "schema_version",
+                f"{got}; this shardrl reads {expected} (written by another version?)",
+            )
+        missing = [name for name in cls.model_fields if name not in data]
+        if missing:
+            raise RecordError(source, missing[0], f"missing from this {cls.__name__} record")
+        return cls.validated(data, source)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_bytes(self) -> bytes:
+        return json_bytes(self.to_json())
+
+
+def _record_error(e: ValidationError, source: Path | str) -> RecordError:
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "missing":
+        return RecordError(source, field, "missing")
+    if err["type"] == "extra_forbidden":
+        return RecordError(source, field, "not a field of this record (misspelt?)")
+    shown = repr(err.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return RecordError(source, field, f"{err['msg'].lower()}, got {shown}")
+
+
+R = TypeVar("R", bound=Record)
+
+
+def read_record(kind: type[R], path: Path, *, attempts: int = 5) -> R:
+    """Read and check one record file; FileNotFoundError when it is absent (after the transient retries)."""
+    raw = retry_transient(path.read_bytes, attempts=attempts)
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise RecordError(path, None, f"not valid JSON ({getattr(e, 'msg', e)})") from None
+    return kind.parse(data, path)
+
+
+def write_record(path: Path, record: Record) -> None:
+    """Replace ``path`` with ``record`` atomically (tmp, fsync, rename)."""
+    write_atomic(path, record.to_bytes())
+
+
+def create_record(path: Path, record: Record) -> bool:
+    """Create ``path`` with ``record`` only if it does not exist yet; True when this call created it."""
+    return create_exclusive(path, record.to_bytes())
+
+
+# ---------------------------------------------------------------------------------------------- status records
+
+
+class StatusRecord(Record):
+    """What every status record carries: who wrote it, and a counter that grows with each write.
+
+    Staleness is judged by ``beat`` no longer changing on the observer's own monotonic clock; ``updated_at`` (the
+    writer's wall clock) is for people.
+    """
+
+    host: str
+    pid: int
+    beat: int = Field(ge=0)
+    updated_at: float
+
+    def age_s(self) -> float:
+        """Seconds since the record was written, by the wall clock (for display only)."""
+        return max(0.0, time.time() - self.updated_at)
+
+
+class WorkerStatus(StatusRecord):
+    """``status/workers/ID.json``: one rollout worker, written by the worker (and by its supervisor on giving up)."""
+
+    schema_version: Literal[1] = 1
+    id: str
+    slot: int = Field(ge=0)
+    state: WorkerState = "starting"
+    supervisor: str | None = None
+    incarnation: str | None = None
+    engine: str | None = None
+    weights_version: int | None = None
+    latest_version: int | None = None
+    last_reload_s: float | None = None
+    paused_reason: Literal["stale", "backlog"] | None = None
+    backlog: int | None = None
+    prompt_source: str | None = None
+    prompt_epoch: int = 0
+    prompt_cursor: int = 0
+    batches: int = 0
+    tokens_per_s: float | None = None
+    reward_mean: float | None = None
+    samples: int = 0
+    tokens: int = 0
+    shards: int = 0
+    dropped_too_long: int = 0
+    dropped_reward_groups: int = 0
+    dropped_reward_samples: int = 0
+    dropped_bad_logprob_groups: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    gave_up: str | None = None
+
+
+class SupervisedWorker(_Strict):
+    """One slot as its node supervisor sees it (inside ``SupervisorStatus.workers``)."""
+
+    worker_id: str
+    pid: int | None
+    state: Literal["running", "draining", "restarting"]
+    restarts: int
+    device: str
+
+
+class SupervisorStatus(StatusRecord):
+    """``status/supervisors/ID.json``: one node supervisor."""
+
+    schema_version: Literal[1] = 1
+    id: str
+    capacity: int = Field(ge=0)
+    state: SupervisorState = "starting"
+    slots: list[int] = Field(default_factory=list)
+    desired: int = 0
+    workers: dict[str, SupervisedWorker] = Field(default_factory=dict)
+    failed_slots: dict[str, str] = Field(default_factory=dict)
+    control_generation: int | None = None
+    last_rejection: str | None = None  # why the last control.json command was rejected
+    control_problem: str | None = None  # why the newest control generation is not followed (damaged)
+    last_error: str | None = (
+        None  # the last storage error the supervisor kept going through (e.g. a full disk)
+    )
+
+
+class TrainerStatus(StatusRecord):
+    """``status/trainer.json``: the trainer's rank 0 (step, published version, the run's backlog counts)."""
+
+    schema_version: Literal[1] = 1
+    state: TrainerState = "starting"
+    epoch: int | None = None
+    resumed_from: int | None = None
+    step: int = 0
+    published_version: int = 0
+    samples_trained: int = 0
+    dropped_stale: int = 0
+    quarantined: int = 0
+    # buffer.status.Backlog, as of the last write
+    ready_samples: int = 0
+    consumed_samples: int = 0
+    dropped_samples: int = 0
+    unconsumed_samples: int = 0
+
+
+LIVE_STATES = (
+    frozenset(get_args(WorkerState) + get_args(SupervisorState) + get_args(TrainerState)) - FINAL_STATES
+)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+class LatestPointer(Record):
+    """``weights/LATEST``: the newest complete weight version (replaced atomically after the version is sealed)."""
+
+    schema_version: Literal[1] = 1
+    version: int = Field(ge=1)
+    path: str
+    step: int = Field(ge=0)
+
+
+class ManifestFile(_Strict):
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class WeightsManifest(Record):
+    """``weights/vXXXXXX/manifest.json``, written last into a version: every file with its size and sha256."""
+
+    schema_version: Literal[1] = 1
+    version: int = Field(ge=1)
+    step: int = Field(ge=0)
+    dtype: str
+    created_at: float
+    files: dict[str, ManifestFile]
+
+
+# ---------------------------------------------------------------------------------------------- control
+
+
+class ControlGeneration(Record):
+    """``control/gen-XXXXXXXX.json``: the desired worker count after each applied or rejected command."""
+
+    schema_version: Literal[1] = 1
+    generation: int = Field(ge=0)
+    desired: int = Field(ge=0)
+    last_applied: dict[str, Any] | None
+    last_rejection: dict[str, Any] | None
+    history: list[str]  # keys of the commands handled, newest last
+
+
+class Lease(Record):
+    """``leases/slot-XXXX/GGGGGGGG.json``: generation ``generation`` of worker slot ``slot``'s lease, held by
+    supervisor ``holder``, which bumps ``counter`` each heartbeat and sets ``released`` when it gives the slot back."""
+
+    schema_version: Literal[1] = 1
+    slot: int = Field(ge=0)
+    generation: int = Field(ge=1)
+    holder: str
+    counter: int = Field(ge=0)
+    released: bool = False
+    host: str
+    pid: int
+    written_at: float
+
+
+# ---------------------------------------------------------------------------------------------- consumption log
+
+
+class Plan(Record):
+    """``plans/step-XXXXXXXX.eE.json``: what trainer step ``step`` of incarnation ``epoch`` consumes."""
+
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=1)
+    epoch: int = Field(ge=1)
+    shards: list[str]
+    sample_ids: list[str]
+    dropped_ids: list[str] = Field(default_factory=list)
+    extra: dict[str, Any] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=time.time)
+
+
+class EpochClaim(Record):
+    """``plans/epochs/EEEEEE.json``: a trainer incarnation and the highest valid plan step it saw when claiming."""
+
+    schema_version: Literal[1] = 1
+    epoch: int = Field(ge=1)
+    max_step: int = Field(ge=0)
+    host: str
+    pid: int
+    at: float
