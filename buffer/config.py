@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class _Section(BaseModel):
@@ -73,22 +73,58 @@ class DataConfig(_Section):
         "max_digit", description="Built-in demo task, or `file` to read `prompts_file`."
     )
     prompts_file: str | None = Field(
-        None, description="JSONL or Parquet with a `prompt` and optional `answer` field."
+        None,
+        description="JSONL, Parquet, or a `datasets.save_to_disk` directory; one prompt per row (docs/DATA.md).",
     )
-    prompt_field: str = Field("prompt", description="Name of the prompt field in the prompts file.")
-    answer_field: str = Field("answer", description="Name of the answer field in the prompts file.")
-    chat_template: bool = Field(False, description="Render prompts with the tokenizer's chat template.")
+    prompt_field: str = Field(
+        "prompt",
+        description="Field of the prompt: a string or chat messages [{role, content}]; `a.b` reaches into objects.",
+    )
+    answer_field: str = Field(
+        "answer", description="Field of the answer given to the reward function; `a.b` reaches into objects."
+    )
+    chat_template: bool = Field(
+        False,
+        description="Render string prompts with the tokenizer's chat template (chat messages always are).",
+    )
+    system_prompt: str | None = Field(
+        None, description="System message put first in chat-rendered prompts that have none."
+    )
+    prompt_template: str | None = Field(
+        None,
+        description="str.format template with one `{prompt}` placeholder, applied to each prompt "
+        "(to the last user message of chat prompts).",
+    )
     max_prompt_length: int = Field(
         512, ge=1, description="Prompts longer than this (tokens) are skipped and counted."
     )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _one_placeholder(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                v.format(prompt="")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(
+                    f"{v!r} is not a str.format template whose only placeholder is {{prompt}} ({e!r})"
+                ) from None
+            if "{prompt}" not in v:
+                raise ValueError(f"{v!r} has no {{prompt}} placeholder")
+        return v
 
 
 class RewardConfig(_Section):
     """How samples are scored on the rollout workers."""
 
     function: str = Field(
-        "max_digit",
-        description="Registered name (math_answer, exact_match, max_digit, mod_add) or `package.module:function`.",
+        description="A registered name (math_answer, exact_match, max_digit, mod_add) or "
+        "`package.module:function` (docs/DATA.md).",
+    )
+    truncated_reward: float | None = Field(
+        None,
+        description="Function reward of a response cut off at max_response_length (finish_reason `length`); "
+        "null = score it like the others.",
     )
     reward_model: str | None = Field(
         None,
@@ -250,7 +286,7 @@ class ShardRLConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
+    reward: RewardConfig  # no default: every run names its reward function
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -390,8 +426,10 @@ def reference_markdown() -> str:
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 subs.append((name, ann))
                 continue
-            default = f.get_default(call_default_factory=True)
-            rows.append(f"| `{prefix}{name}` | `{json.dumps(default)}` | {f.description or ''} |")
+            default = (
+                "required" if f.is_required() else f"`{json.dumps(f.get_default(call_default_factory=True))}`"
+            )
+            rows.append(f"| `{prefix}{name}` | {default} | {f.description or ''} |")
         if rows:
             lines.append(f"\n**[{prefix.rstrip('.')}]** {(model.__doc__ or '').strip()}\n")
             lines.append("| key | default | meaning |\n|---|---|---|")

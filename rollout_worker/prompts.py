@@ -1,8 +1,18 @@
-"""Prompts for the rollout workers: where they come from, how they are tokenized, and which ones each worker draws.
+"""Prompts for the rollout workers: where they come from, how they are rendered and tokenized, and which ones each
+worker draws.
 
 Sources: the built-in demo tasks (``data.task = max_digit | mod_add``) or a file (``data.task = file``): JSONL (one
-JSON object per line) or Parquet, with the prompt in ``data.prompt_field`` and an optional answer in
-``data.answer_field``.  A bad file is one ``PromptError`` line naming the file and what is accepted.
+JSON object per line), Parquet, or a directory written by ``datasets.Dataset.save_to_disk`` (its ``*.arrow`` files are
+Arrow IPC streams, read here with pyarrow alone).  Each row holds the prompt at ``data.prompt_field`` and optionally
+an answer at ``data.answer_field``; both may be dotted paths into nested objects (``reward_model.ground_truth``).
+A prompt is either a string or chat messages, a list of ``{"role", "content"}`` objects.  The row's other top-level
+fields travel with the prompt (``Prompt.extra``) to the reward function.  docs/DATA.md shows every format.
+
+Rendering: ``data.prompt_template`` (``str.format`` with ``{prompt}``) rewrites a string prompt, or the last user
+message of a chat prompt.  Chat prompts, and string prompts when ``data.chat_template`` is true, go through the
+tokenizer's chat template, with ``data.system_prompt`` as the first message unless the row brings its own.  A bad
+file or row is one ``PromptError`` line naming the file, the row and the field; ``shardrl init`` runs the same
+checks (``validate_prompts_file``) so that a run never starts on a prompts file its workers cannot read.
 
 Which prompts a worker draws: each worker walks its own permutation of the *whole* prompt set, reshuffled every
 epoch, seeded by (run seed, slot, epoch).  The usual alternative, one shared permutation per epoch of which worker k
@@ -16,7 +26,7 @@ time, which in RL only means more samples of that prompt, in separate groups.  A
 stream where the previous incarnation stopped (the cursor is kept in its status record), so crash loops do not
 over-sample the first prompts of an epoch.
 
-This module imports nothing heavy; the tokenizer is passed in.
+This module imports nothing heavy; pyarrow is imported for tabular files only and the tokenizer is passed in.
 """
 
 from __future__ import annotations
@@ -24,31 +34,39 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from buffer.config import DataConfig
+from buffer.config import ConfigError, DataConfig, ShardRLConfig
 
 from .tasks import task_prompts
 
+Message = dict[str, str]
+# prompt -> (the text the model sees, its token ids)
+Encoder = Callable[["Prompt"], tuple[str, list[int]]]
 
-class PromptError(ValueError):
-    """A user-caused problem with the prompts (file, field, length); the message is one line."""
+
+class PromptError(ConfigError):
+    """A user-caused problem with the prompts (file, row, field, length); the message is one line."""
 
 
 @dataclass(frozen=True)
 class Prompt:
     index: int  # position in the source, stable across epochs and workers
-    text: str
+    text: str  # the prompt after data.prompt_template; for chat prompts the last user message
     answer: str | None
+    # set when the prompt goes through the chat template: the whole conversation, system prompt included
+    messages: tuple[Message, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # the row's other fields, for the reward function
 
 
 @dataclass(frozen=True)
 class EncodedPrompt:
     prompt: Prompt
     ids: list[int]
+    text: str = ""  # exactly what the model was given (chat template applied), detokenized form of ``ids``
 
 
 def derive_seed(*parts: object) -> int:
@@ -57,34 +75,46 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+# ---------------------------------------------------------------------------------------------- loading
+
+
 def load_prompts(data: DataConfig) -> list[Prompt]:
     """All prompts of the run's data source, in source order."""
     if data.task != "file":
-        return [Prompt(i, p.prompt, p.answer) for i, p in enumerate(task_prompts(data.task))]
+        rows = ({"prompt": p.prompt, "answer": p.answer} for p in task_prompts(data.task))
+        builtin = data.model_copy(update={"prompt_field": "prompt", "answer_field": "answer"})
+        return [_build(i, "built-in task", f"prompt {i}", row, builtin) for i, row in enumerate(rows)]
     if not data.prompts_file:
         raise PromptError("config: field data.prompts_file is required when data.task is 'file'")
     path = Path(data.prompts_file)
-    accepted = (
-        f"accepted: JSONL (one JSON object per line) or Parquet (.parquet) with a string field "
-        f"{data.prompt_field!r} (data.prompt_field) and optionally {data.answer_field!r} (data.answer_field)"
-    )
-    if not path.is_file():
-        raise PromptError(f"{path}: prompts file not found (data.prompts_file); {accepted}")
-    if path.suffix.lower() in (".parquet", ".pq"):
-        prompts = _load_parquet(path, data, accepted)
-    else:
-        prompts = _load_jsonl(path, data, accepted)
+    if not path.exists():
+        raise PromptError(f"{path}: prompts file not found (data.prompts_file); {_accepted(data)}")
+    prompts = [_build(i, str(path), where, row, data) for i, (where, row) in enumerate(_rows(path, data))]
     if not prompts:
-        raise PromptError(f"{path}: no prompts in the file; {accepted}")
+        raise PromptError(f"{path}: no prompts in the file; {_accepted(data)}")
     return prompts
 
 
-def _answer(value: Any) -> str | None:
-    return None if value is None else str(value)
+def _accepted(data: DataConfig) -> str:
+    return (
+        "accepted: JSONL (one JSON object per line), Parquet (.parquet), or a datasets.save_to_disk directory, "
+        f"with the prompt (a string or a list of {{role, content}} messages) at {data.prompt_field!r} "
+        f"(data.prompt_field) and optionally the answer at {data.answer_field!r} (data.answer_field)"
+    )
 
 
-def _load_jsonl(path: Path, data: DataConfig, accepted: str) -> list[Prompt]:
-    prompts: list[Prompt] = []
+def _rows(path: Path, data: DataConfig) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, row) for every row of the file, ``where`` being ``line N`` or ``row N``."""
+    if path.is_dir():
+        return _table_rows(path, _read_arrow_dir(path, data), data)
+    if path.suffix.lower() in (".parquet", ".pq"):
+        return _table_rows(path, _read_parquet(path, data), data)
+    if path.suffix.lower() == ".arrow":
+        return _table_rows(path, _read_arrow_file(path, data), data)
+    return _jsonl_rows(path, data)
+
+
+def _jsonl_rows(path: Path, data: DataConfig) -> Iterator[tuple[str, dict[str, Any]]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -94,67 +124,246 @@ def _load_jsonl(path: Path, data: DataConfig, accepted: str) -> list[Prompt]:
             except ValueError as e:
                 hint = " (a JSON array is not JSONL)" if lineno == 1 and line.lstrip().startswith("[") else ""
                 raise PromptError(
-                    f"{path}: line {lineno}: not valid JSON ({getattr(e, 'msg', e)}){hint}; {accepted}"
+                    f"{path}: line {lineno}: not valid JSON ({getattr(e, 'msg', e)}){hint}; {_accepted(data)}"
                 ) from None
             if not isinstance(rec, dict):
                 hint = " (a JSON array is not JSONL)" if isinstance(rec, list) else ""
-                raise PromptError(f"{path}: line {lineno}: expected a JSON object{hint}; {accepted}")
-            prompts.append(_record(path, f"line {lineno}", rec, data, accepted, len(prompts)))
-    return prompts
+                raise PromptError(f"{path}: line {lineno}: expected a JSON object{hint}; {_accepted(data)}")
+            yield f"line {lineno}", rec
 
 
-def _load_parquet(path: Path, data: DataConfig, accepted: str) -> list[Prompt]:
+def _read_parquet(path: Path, data: DataConfig) -> Any:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        names = pq.read_schema(path).names
-        if data.prompt_field not in names:
-            raise PromptError(
-                f"{path}: field {data.prompt_field!r} missing (data.prompt_field); columns: "
-                f"{', '.join(names)}; {accepted}"
-            )
-        columns = [data.prompt_field] + ([data.answer_field] if data.answer_field in names else [])
-        rows = pq.read_table(path, columns=columns).to_pylist()
+        return pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
-        raise PromptError(f"{path}: not a readable Parquet file ({e}); {accepted}") from None
-    return [_record(path, f"row {i}", rec, data, accepted, i) for i, rec in enumerate(rows)]
+        raise PromptError(f"{path}: not a readable Parquet file ({e}); {_accepted(data)}") from None
 
 
-def _record(path: Path, where: str, rec: dict, data: DataConfig, accepted: str, index: int) -> Prompt:
-    text = rec.get(data.prompt_field)
-    if data.prompt_field not in rec:
-        fields = ", ".join(map(str, list(rec)[:8])) or "none"
+def _read_arrow_file(path: Path, data: DataConfig) -> Any:
+    """One ``*.arrow`` file: an IPC stream (what ``save_to_disk`` writes) or an IPC file."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    try:
+        with pa.memory_map(str(path)) as src:
+            try:
+                return ipc.open_stream(src).read_all()
+            except pa.ArrowInvalid:
+                src.seek(0)
+                return ipc.open_file(src).read_all()
+    except (pa.ArrowException, OSError) as e:
         raise PromptError(
-            f"{path}: {where}: field {data.prompt_field!r} missing (data.prompt_field; fields present: {fields}); "
-            f"{accepted}"
-        )
-    if not isinstance(text, str) or not text:
+            f"{path}: not a readable Arrow IPC stream or file ({e}); {_accepted(data)}"
+        ) from None
+
+
+def _read_arrow_dir(path: Path, data: DataConfig) -> Any:
+    """A ``datasets.Dataset.save_to_disk`` directory: the data files that state.json lists, in its order."""
+    import pyarrow as pa
+
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        example = "train" if "train" in splits or not splits else splits[0]
         raise PromptError(
-            f"{path}: {where}: field {data.prompt_field!r} is {type(text).__name__} {text!r:.40}, "
-            f"expected a non-empty string"
+            f"{path}: a DatasetDict with splits {', '.join(splits) or 'none'}; point data.prompts_file at one "
+            f"split's directory, e.g. {path / example}"
         )
-    return Prompt(index, text, _answer(rec.get(data.answer_field)))
+    files = sorted(path.glob("*.arrow"))
+    state = path / "state.json"
+    if state.is_file():
+        try:
+            files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise PromptError(f"{state}: field _data_files unreadable ({e!r}); {_accepted(data)}") from None
+    if not files:
+        raise PromptError(f"{path}: a directory without *.arrow files; {_accepted(data)}")
+    return pa.concat_tables([_read_arrow_file(f, data) for f in files])
 
 
-def make_encoder(tokenizer: Any, chat_template: bool) -> Callable[[str], list[int]]:
-    """prompt text -> token ids, optionally through the tokenizer's chat template (one user turn)."""
-    if chat_template and not getattr(tokenizer, "chat_template", None):
+def _table_rows(path: Path, table: Any, data: DataConfig) -> Iterator[tuple[str, dict[str, Any]]]:
+    names = table.schema.names
+    if data.prompt_field not in names and data.prompt_field.split(".")[0] not in names:
         raise PromptError(
-            f"{getattr(tokenizer, 'name_or_path', 'tokenizer')}: data.chat_template is true but the tokenizer "
-            "has no chat template; set data.chat_template = false or use a tokenizer that has one"
+            f"{path}: field {data.prompt_field!r} missing (data.prompt_field); columns: {', '.join(names)}; "
+            f"{_accepted(data)}"
         )
+    for i, row in enumerate(table.to_pylist()):
+        yield f"row {i}", row
 
-    def encode(text: str) -> list[int]:
-        if chat_template:
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+
+_MISSING = object()
+
+
+def get_field(row: dict[str, Any], path: str) -> Any:
+    """``row[path]``, else the dotted path followed into nested objects; ``_MISSING`` when absent."""
+    if path in row:
+        return row[path]
+    node: Any = row
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _answer(value: Any) -> str | None:
+    if value is None or value is _MISSING:
+        return None
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
+def _build(index: int, source: str, where: str, row: dict[str, Any], data: DataConfig) -> Prompt:
+    """One row -> a Prompt: template, chat messages and system prompt applied; a bad row is one line."""
+    raw = get_field(row, data.prompt_field)
+    at = f"{source}: {where}: field {data.prompt_field!r}"
+    if raw is _MISSING:
+        fields = ", ".join(map(str, list(row)[:8])) or "none"
+        raise PromptError(f"{at} missing (data.prompt_field; fields present: {fields}); {_accepted(data)}")
+    if isinstance(raw, str):
+        if not raw:
+            raise PromptError(f"{at} is an empty string")
+        text = _templated(raw, data)
+        messages = None
+        if data.chat_template:
+            messages = _with_system([{"role": "user", "content": text}], data)
+        elif data.system_prompt is not None:
+            raise PromptError(
+                f"config: field data.system_prompt needs the chat template, but {source} {where} has a string "
+                "prompt and data.chat_template is false; set data.chat_template = true or use data.prompt_template"
             )
-            # the template already wrote any BOS it wants
-            return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        return list(tokenizer(text)["input_ids"])
+    elif isinstance(raw, list):
+        messages = _with_system(_templated_chat(_messages(raw, at), data, at), data)
+        text = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+    else:
+        raise PromptError(
+            f"{at} is {type(raw).__name__} {raw!r:.40}, expected a non-empty string or a list of "
+            '{"role", "content"} messages'
+        )
+    extra = {k: v for k, v in row.items() if k not in (data.prompt_field, data.answer_field)}
+    return Prompt(
+        index,
+        text,
+        _answer(get_field(row, data.answer_field)),
+        None if messages is None else tuple(messages),
+        extra,
+    )
+
+
+def _templated(text: str, data: DataConfig) -> str:
+    return text if data.prompt_template is None else data.prompt_template.format(prompt=text)
+
+
+def _messages(raw: list[Any], at: str) -> list[Message]:
+    if not raw:
+        raise PromptError(f"{at} is an empty list of messages")
+    out = []
+    for j, m in enumerate(raw):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise PromptError(f'{at}: message {j} is {m!r:.60}, expected {{"role": str, "content": str}}')
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _templated_chat(messages: list[Message], data: DataConfig, at: str) -> list[Message]:
+    users = [j for j, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise PromptError(f"{at}: no message with role 'user'")
+    last = users[-1]
+    messages[last] = {"role": "user", "content": _templated(messages[last]["content"], data)}
+    return messages
+
+
+def _with_system(messages: list[Message], data: DataConfig) -> list[Message]:
+    if data.system_prompt is None or messages[0]["role"] == "system":
+        return messages  # a row's own system message wins over the run-wide one
+    return [{"role": "system", "content": data.system_prompt}, *messages]
+
+
+# ---------------------------------------------------------------------------------------------- checks at init
+
+
+def has_chat_template(tokenizer_dir: Path) -> bool:
+    """Whether a HF tokenizer directory carries a chat template (checked on its files: no transformers import)."""
+    if (tokenizer_dir / "chat_template.jinja").is_file() or (tokenizer_dir / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((tokenizer_dir / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def validate_prompts_file(cfg: ShardRLConfig) -> list[Prompt]:
+    """What ``shardrl init`` checks before it creates a run: the prompts load and render, and the reward can score.
+
+    One-line ``PromptError`` (a ``ConfigError``) naming the file, the row and the field.  The chat template is checked
+    on the tokenizer's files when the tokenizer directory already exists (the built-in tiny one is built later and
+    has a template).
+    """
+    from .rewards import check_reward_name, needs_answers
+
+    check_reward_name(cfg.reward.function)
+    prompts = load_prompts(cfg.data)
+    chat = next((p for p in prompts if p.messages is not None), None)
+    tok_dir = Path(cfg.model.tokenizer or cfg.model.path)
+    if chat is not None and (tok_dir / "tokenizer_config.json").is_file() and not has_chat_template(tok_dir):
+        raise PromptError(_no_template(str(tok_dir / "tokenizer_config.json"), cfg.data, chat))
+    if needs_answers(cfg.reward.function) and all(p.answer is None for p in prompts):
+        raise PromptError(
+            f"{cfg.data.prompts_file or cfg.data.task}: no row has an answer at {cfg.data.answer_field!r} "
+            f"(data.answer_field), which reward.function = {cfg.reward.function!r} needs"
+        )
+    return prompts
+
+
+def _no_template(tokenizer: str, data: DataConfig, prompt: Prompt) -> str:
+    why = (
+        "data.chat_template is true"
+        if data.chat_template
+        else f"{data.prompts_file or 'the prompts file'} prompt {prompt.index} (field {data.prompt_field!r}) "
+        "is chat messages"
+    )
+    return (
+        f"{tokenizer}: the tokenizer has no chat template (field chat_template, or chat_template.jinja) but "
+        f"{why}; use a tokenizer with a chat template, or string prompts with data.chat_template = false"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- encoding
+
+
+def make_encoder(tokenizer: Any, chat_template: bool = False, data: DataConfig | None = None) -> Encoder:
+    """prompt -> (text the model sees, token ids); chat prompts go through the tokenizer's chat template.
+
+    ``chat_template`` (``data.chat_template``) only makes a tokenizer without a template fail here, at once; which
+    prompts are chat prompts was settled when they were loaded.  ``data`` names the file in that error.
+    """
+    name = str(getattr(tokenizer, "name_or_path", "tokenizer"))
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    data = data or DataConfig(chat_template=chat_template)
+    if chat_template and not has_template:
+        raise PromptError(
+            f"{name}: data.chat_template is true but the tokenizer has no chat template; set "
+            "data.chat_template = false or use a tokenizer that has one"
+        )
+
+    def encode(prompt: Prompt) -> tuple[str, list[int]]:
+        if prompt.messages is None:
+            return prompt.text, list(tokenizer(prompt.text)["input_ids"])
+        if not has_template:
+            raise PromptError(_no_template(name, data, prompt))
+        rendered = tokenizer.apply_chat_template(
+            list(prompt.messages), add_generation_prompt=True, tokenize=False
+        )
+        # the template already wrote any BOS it wants
+        return rendered, list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
     return encode
+
+
+# ---------------------------------------------------------------------------------------------- drawing
 
 
 def epoch_order(n: int, seed: int, slot: int, epoch: int) -> list[int]:
@@ -170,7 +379,7 @@ class PromptStream:
     def __init__(
         self,
         prompts: list[Prompt],
-        encode: Callable[[str], list[int]],
+        encode: Encoder,
         *,
         seed: int,
         slot: int,
@@ -211,11 +420,11 @@ class PromptStream:
         batch: list[EncodedPrompt] = []
         while len(batch) < size:
             prompt = self.prompts[self._next_index()]
-            ids = self.encode(prompt.text)
+            text, ids = self.encode(prompt)
             if not ids or len(ids) > self.max_tokens:
                 self.skipped_too_long += 1
                 self._skipped_in_epoch += 1
                 continue
             self._kept_in_epoch += 1
-            batch.append(EncodedPrompt(prompt, ids))
+            batch.append(EncodedPrompt(prompt, ids, text))
         return batch

@@ -1,30 +1,57 @@
-"""Reward functions by name, and the optional reward model, as the rollout worker scores samples.
+r"""Reward functions by name, and the optional reward model, as the rollout worker scores samples.
 
-``reward.function`` is a registered name (``math_answer``, ``exact_match``, ``max_digit``, ``mod_add``) or a user
-function ``package.module:function`` with the signature ``(prompt: str, response: str, answer: str | None) -> float``.
-An unknown name is one ``RewardConfigError`` line at start.  A function that raises or returns something that is not
-a finite number for one sample fails its whole group (``RewardError``): the worker drops the group and counts it,
-because dropping one sample of a GRPO group would shift the group's baseline.
+``reward.function`` (required) is a registered name (``math_answer``, ``exact_match``, ``max_digit``, ``mod_add``) or
+a user function ``package.module:function``.  A reward function has this signature::
+
+    def my_reward(response: str, answer: str | None, *, extra: dict, sample: Sample) -> float
+
+``answer`` is the row's ``data.answer_field`` (None when the row has none), ``extra`` the row's other fields, and
+``sample`` (a ``Sample``) what else is known: the prompt as the model saw it, the chat messages, ``finish_reason``
+(``stop`` or ``length``) and the response's token ids.  A function decorated with ``@batched`` (or carrying the
+attribute ``shardrl_batched = True``, for code that does not import shardrl) is called once per batch of groups with
+lists instead: ``fn(responses, answers, *, extras, samples) -> list[float]``.  The older form
+``fn(prompt, response, answer) -> float`` still works: a function with neither ``extra`` nor ``sample`` parameters is
+called that way.
+
+``reward.truncated_reward``, when set, is the reward of every response cut off at ``max_response_length``
+(``finish_reason == "length"``) instead of the function's.  A function that raises or returns something that is not a
+finite number fails the whole group it scores (``RewardError``; a batched call fails its whole batch): the worker
+drops the group and counts it, because dropping one sample of a GRPO group would shift the group's baseline.  An
+unknown name is one ``RewardConfigError`` line, at ``shardrl init`` for registered names and at worker start for user
+functions.
 
 ``reward.reward_model`` (a HF sequence-classification directory with one output) adds its score of prompt + response,
-times ``reward.reward_model_weight``; it runs on the worker's device.  Only that class imports torch, when built.
+times ``reward.reward_model_weight``; it runs on the worker's device.  Only that class imports torch, when built, and
+``math_answer`` imports math-verify (sympy) on its first call.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import math
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+
+from buffer.config import ConfigError, RewardConfig
 
 from .tasks import digit_reward
 
+if TYPE_CHECKING:
+    from .prompts import EncodedPrompt
+
+# The older call form: (prompt, response, answer) -> reward.  ``resolve_reward`` returns one of these.
 RewardFn = Callable[[str, str, str | None], float]
+F = TypeVar("F", bound=Callable[..., Any])
+BATCHED_ATTR = "shardrl_batched"
 
 
-class RewardConfigError(ValueError):
+class RewardConfigError(ConfigError):
     """A user-caused reward configuration problem; the message is one line."""
 
 
@@ -32,110 +59,168 @@ class RewardError(RuntimeError):
     """Scoring a group failed: a function raised or returned a non-finite value."""
 
 
+@dataclass(frozen=True)
+class Sample:
+    """What a reward function knows about one response besides its text, its answer and its row's extra fields."""
+
+    prompt: str  # the prompt as the model saw it (template and chat template applied)
+    finish_reason: str = "stop"  # "stop" (EOS or a stop string) or "length" (cut off at max_response_length)
+    prompt_index: int = 0  # the prompt's row in the source
+    messages: tuple[Mapping[str, str], ...] | None = None  # the conversation, for chat-rendered prompts
+    response_ids: Sequence[int] = field(default_factory=tuple)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+class Response(Protocol):
+    """What scoring reads of a completion (rollout_worker.engines.base.Completion has it)."""
+
+    response_text: str
+    finish_reason: str
+    response_ids: list[int]
+
+
+def batched(fn: F) -> F:
+    """Mark ``fn`` as batched: called once per batch with lists (responses, answers, extras=, samples=)."""
+    setattr(fn, BATCHED_ATTR, True)
+    return fn
+
+
 # ---------------------------------------------------------------------------------------------- math answers
 
-_FRAC = r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*(-?[\d.,]+)\s*\}"
-_NUM = r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+(?:\.\d+)?)?"
-_FINAL = re.compile(f"{_FRAC}|({_NUM})")
+
+def _gold_text(answer: str) -> str:
+    """The final answer inside a reference that may be a worked solution (GSM8K's ``... #### 72``)."""
+    return answer.rsplit("####", 1)[-1].strip()
 
 
-def last_boxed(text: str) -> str | None:
-    r"""The content of the last ``\boxed{...}`` (or ``\fbox{...}``), braces balanced; None when there is none."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = text.index("{", start) if "{" in text[start:] else -1
-    if i < 0 or text[start:i].strip() not in ("\\boxed", "\\fbox"):
-        # `\boxed 5`: the content is the next whitespace-delimited token
-        rest = text[start:].split(None, 2)
-        return rest[1].rstrip("$.") if len(rest) > 1 else None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j].strip()
-    return None  # unbalanced: the response was cut off inside the box
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(answer: str) -> tuple[Any, ...]:
+    """A reference answer parsed by math-verify; cached because the n samples of a group share one."""
+    from math_verify import LatexExtractionConfig, parse
+
+    ref = _gold_text(answer)
+    # A bare reference is a whole expression: boxing it keeps math-verify from picking the last number out of
+    # `x^{2} + 1`; a reference that has its own box is parsed as written.
+    text = ref if "\\boxed" in ref or "\\fbox" in ref else f"\\boxed{{{ref}}}"
+    return tuple(parse(text, [LatexExtractionConfig()], parsing_timeout=_timeout()))
 
 
-def final_answer(text: str) -> str | None:
-    r"""A response's final answer: the last ``\boxed{}``, else the last number (or ``\frac{a}{b}``) in the text."""
-    boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed
-    matches = list(_FINAL.finditer(text))
-    if not matches:
-        return None
-    m = matches[-1]
-    return f"{m.group(1)}/{m.group(2)}" if m.group(1) is not None else m.group(3)
+def _parse_response(response: str, truncated: bool) -> list[Any]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    if truncated:
+        # A response cut off mid-thought has no last number worth trusting: only a closed \boxed{} or an
+        # explicit "final answer is ..." counts.
+        targets: list[Any] = [
+            LatexExtractionConfig(try_extract_without_anchor=False),
+            ExprExtractionConfig(try_extract_without_anchor=False),
+        ]
+    else:
+        targets = [LatexExtractionConfig(), ExprExtractionConfig()]
+    return list(parse(response, targets, parsing_timeout=_timeout()))
 
 
-def to_number(text: str) -> float | None:
-    r"""``"1,234"``, ``"-3.5"``, ``"3/4"``, ``"\frac{3}{4}"``, ``"$12"``, ``"50%"`` -> a float; None when not a number."""
-    s = text.strip().strip("$").replace("\\$", "").replace("\\!", "").replace("\\,", "").strip()
-    s = s.removesuffix("\\%").removesuffix("%").rstrip(".").strip()
-    m = re.fullmatch(_FRAC, s)
-    if m:
-        s = f"{m.group(1)}/{m.group(2)}"
-    s = s.replace(" ", "")
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-        s = s.replace(",", "")
-    try:
-        if "/" in s:
-            num, den = s.split("/", 1)
-            return float(num) / float(den)
-        return float(s)
-    except (ValueError, ZeroDivisionError):
-        return None
+def _timeout() -> int | None:
+    # math-verify times out with SIGALRM, which only the main thread may use; elsewhere it runs without a limit
+    return 5 if threading.current_thread() is threading.main_thread() else None
 
 
 def _normalize(s: str) -> str:
     return re.sub(r"\s+", "", s.strip().strip("$")).rstrip(".")
 
 
-def math_answer(prompt: str, response: str, answer: str | None) -> float:
-    r"""1.0 when the response's final answer (``\boxed{}`` or last number) equals ``answer`` numerically, else 0.0.
+def math_answer(response: str, answer: str | None, *, extra: Mapping[str, Any], sample: Sample) -> float:
+    r"""1.0 when the response's final answer is mathematically equal to ``answer`` (math-verify), else 0.0.
 
-    ``answer`` may itself be a worked solution (GSM8K's ``... #### 72``, or one ending in ``\boxed{}``): its final
-    answer is used.  A reference that is not a number is compared, whitespace removed, with the response's answer.
+    The response's answer is its last ``\boxed{}``, else an explicit "the final answer is", else its last number or
+    expression; a response cut off at the length limit gets no last-number fallback.  ``answer`` may be a worked
+    solution (GSM8K's ``... #### 72``, or one ending in ``\boxed{}``); its final answer is used.
     """
     if answer is None:
         raise ValueError("math_answer needs an answer for every prompt (data.answer_field)")
-    ref = answer.rsplit("####", 1)[-1]
-    ref = last_boxed(ref) or ref
-    got = final_answer(response)
-    if got is None:
+    from math_verify import verify
+
+    got = _parse_response(response, sample.truncated)
+    if not got:
         return 0.0
-    want = to_number(ref)
-    if want is None:
-        return 1.0 if _normalize(last_boxed(response) or got) == _normalize(ref) else 0.0
-    value = to_number(got)
-    if value is None:
-        return 0.0
-    return 1.0 if math.isclose(value, want, rel_tol=1e-6, abs_tol=1e-9) else 0.0
+    gold = _parse_gold(answer)
+    if not gold:  # not mathematics math-verify can read: compare the texts
+        return 1.0 if _normalize(str(got[-1])) == _normalize(_gold_text(answer)) else 0.0
+    return 1.0 if verify(list(gold), got, timeout_seconds=_timeout()) else 0.0
 
 
-def exact_match(prompt: str, response: str, answer: str | None) -> float:
+def exact_match(response: str, answer: str | None, *, extra: Mapping[str, Any], sample: Sample) -> float:
     """1.0 when the response equals the answer after stripping surrounding whitespace, else 0.0."""
     if answer is None:
         raise ValueError("exact_match needs an answer for every prompt (data.answer_field)")
     return 1.0 if response.strip() == answer.strip() else 0.0
 
 
-def digit_task(prompt: str, response: str, answer: str | None) -> float:
+def digit_task(response: str, answer: str | None, *, extra: Mapping[str, Any], sample: Sample) -> float:
     """The demo tasks (max_digit, mod_add): the first non-space character is the right digit."""
     if answer is None:
         raise ValueError("the digit tasks need an answer for every prompt")
     return digit_reward(response, answer)
 
 
-REGISTRY: dict[str, RewardFn] = {
-    "math_answer": math_answer,
-    "exact_match": exact_match,
-    "max_digit": digit_task,
-    "mod_add": digit_task,
+# ---------------------------------------------------------------------------------------------- resolving
+
+Form = Literal["sample", "batched", "legacy"]
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A resolved reward function and the form it is called in; callable in the older form for old callers."""
+
+    name: str
+    fn: Callable[..., Any]
+    form: Form
+
+    def __call__(self, prompt: str, response: str, answer: str | None) -> float:
+        return self.call([response], [answer], [{}], [Sample(prompt)])[0]  # type: ignore[no-any-return]
+
+    def call(
+        self,
+        responses: list[str],
+        answers: list[str | None],
+        extras: list[dict[str, Any]],
+        samples: list[Sample],
+    ) -> list[Any]:
+        """Raw values for a list of responses, one call per response unless the function is batched."""
+        if self.form == "batched":
+            out = self.fn(responses, answers, extras=extras, samples=samples)
+            if not isinstance(out, Sequence) or len(out) != len(responses):
+                raise TypeError(
+                    f"a batched reward function must return {len(responses)} values, got {out!r:.60}"
+                )
+            return list(out)
+        if self.form == "legacy":
+            return [self.fn(s.prompt, r, a) for r, a, s in zip(responses, answers, samples, strict=True)]
+        return [
+            self.fn(r, a, extra=e, sample=s)
+            for r, a, e, s in zip(responses, answers, extras, samples, strict=True)
+        ]
+
+
+def _form(fn: Callable[..., Any]) -> Form:
+    if getattr(fn, BATCHED_ATTR, False):
+        return "batched"
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "legacy"
+    return "sample" if "sample" in params or "extra" in params else "legacy"
+
+
+_DIGITS = RewardFunction("max_digit", digit_task, "sample")
+REGISTRY: dict[str, RewardFunction] = {
+    "math_answer": RewardFunction("math_answer", math_answer, "sample"),
+    "exact_match": RewardFunction("exact_match", exact_match, "sample"),
+    "max_digit": _DIGITS,
+    "mod_add": _DIGITS,
 }
 
 
@@ -144,40 +229,163 @@ def needs_answers(name: str) -> bool:
     return name in REGISTRY
 
 
-def resolve_reward(name: str) -> RewardFn:
-    """The function named by ``reward.function``, or a one-line RewardConfigError."""
+def _accepted() -> str:
+    return f"accepted: {', '.join(REGISTRY)}, or a user function `package.module:function`"
+
+
+def check_reward_name(name: str) -> None:
+    """A one-line RewardConfigError for a name that is neither registered nor ``module:function`` (no import)."""
+    if name not in REGISTRY and ":" not in name:
+        raise RewardConfigError(
+            f"config: field reward.function: {name!r} is not a known reward; {_accepted()}"
+        )
+
+
+def resolve_reward(name: str) -> RewardFunction:
+    """The function named by ``reward.function``, or a one-line RewardConfigError.
+
+    The result is also callable in the older form ``(prompt, response, answer) -> float``.
+    """
     if name in REGISTRY:
         return REGISTRY[name]
-    accepted = f"accepted: {', '.join(REGISTRY)}, or a user function `package.module:function`"
-    if ":" not in name:
-        raise RewardConfigError(f"config: field reward.function: {name!r} is not a known reward; {accepted}")
+    check_reward_name(name)
     module_name, _, attr = name.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
         raise RewardConfigError(
-            f"config: field reward.function: cannot import {module_name!r} ({type(e).__name__}: {e}); {accepted}"
+            f"config: field reward.function: cannot import {module_name!r} ({type(e).__name__}: {e}); {_accepted()}"
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardConfigError(
-            f"config: field reward.function: {module_name!r} has no function {attr!r}; {accepted}"
+            f"config: field reward.function: {module_name!r} has no function {attr!r}; {_accepted()}"
         )
-    return fn  # type: ignore[no-any-return]
+    return RewardFunction(name, fn, _form(fn))
+
+
+def _finite(value: Any, response: str) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"reward function raised {type(e).__name__}: {e}") from e
+    if not math.isfinite(x):
+        raise RewardError(f"reward function returned {x} for {response!r:.60}")
+    return x
 
 
 def score_group(fn: RewardFn, prompt: str, responses: list[str], answer: str | None) -> list[float]:
-    """Rewards of one group (the n responses to one prompt); RewardError when any of them fails."""
+    """Rewards of one group in the older form (no extra fields, every response taken as finished).
+
+    RewardError when any of them fails.  ``Scorer.score_batch`` is the full form.
+    """
     out = []
     for response in responses:
         try:
-            value = float(fn(prompt, response, answer))
+            value = fn(prompt, response, answer)
         except Exception as e:
             raise RewardError(f"reward function raised {type(e).__name__}: {e}") from e
-        if not math.isfinite(value):
-            raise RewardError(f"reward function returned {value} for {response!r:.60}")
-        out.append(value)
+        out.append(_finite(value, response))
     return out
+
+
+# ---------------------------------------------------------------------------------------------- the scorer
+
+
+@dataclass(frozen=True)
+class GroupRewards:
+    """The rewards of one group, or why the group failed (then ``rewards`` is None)."""
+
+    rewards: list[float] | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Item:
+    response: str
+    answer: str | None
+    extra: Mapping[str, Any]
+    sample: Sample
+
+
+class Scorer:
+    """``reward.function`` with ``reward.truncated_reward`` applied: what the worker scores a batch with."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.function = resolve_reward(cfg.function)
+        self.truncated_reward = cfg.truncated_reward
+
+    def score_batch(
+        self, prompts: Sequence[EncodedPrompt], outputs: Sequence[Sequence[Response]]
+    ) -> list[GroupRewards]:
+        """One ``GroupRewards`` per prompt (its group of responses), in order.
+
+        A failure fails its group; a batched function is called once for the whole batch, so its failure fails
+        every group of the batch.
+        """
+        groups = [_items(p, outs) for p, outs in zip(prompts, outputs, strict=True)]
+        if self.function.form != "batched":
+            return [self._scored(g) for g in groups]
+        flat = [item for g in groups for item in g]
+        try:
+            values = self._values(flat)
+        except RewardError as e:
+            return [GroupRewards(None, str(e)) for _ in groups]
+        out, k = [], 0
+        for g in groups:
+            out.append(_checked(g, values[k : k + len(g)]))
+            k += len(g)
+        return out
+
+    def _scored(self, group: list[_Item]) -> GroupRewards:
+        try:
+            return _checked(group, self._values(group))
+        except RewardError as e:
+            return GroupRewards(None, str(e))
+
+    def _values(self, items: list[_Item]) -> list[Any]:
+        """Raw values: ``truncated_reward`` for cut-off responses when it is set, the function's for the rest."""
+        values: list[Any] = [self.truncated_reward] * len(items)
+        scored = [i for i, it in enumerate(items) if self.truncated_reward is None or not it.sample.truncated]
+        if not scored:
+            return values
+        try:
+            got = self.function.call(
+                [items[i].response for i in scored],
+                [items[i].answer for i in scored],
+                [dict(items[i].extra) for i in scored],
+                [items[i].sample for i in scored],
+            )
+        except Exception as e:
+            raise RewardError(f"reward function raised {type(e).__name__}: {e}") from e
+        for i, v in zip(scored, got, strict=True):
+            values[i] = v
+        return values
+
+
+def _items(p: EncodedPrompt, outs: Sequence[Response]) -> list[_Item]:
+    q = p.prompt
+    return [
+        _Item(
+            o.response_text,
+            q.answer,
+            q.extra,
+            Sample(p.text or q.text, o.finish_reason, q.index, q.messages, tuple(o.response_ids)),
+        )
+        for o in outs
+    ]
+
+
+def _checked(items: list[_Item], values: list[Any]) -> GroupRewards:
+    try:
+        return GroupRewards([_finite(v, it.response) for it, v in zip(items, values, strict=True)])
+    except RewardError as e:
+        return GroupRewards(None, str(e))
+
+
+def make_scorer(cfg: RewardConfig) -> Scorer:
+    """The worker's scorer; a one-line RewardConfigError when the function cannot be resolved."""
+    return Scorer(cfg)
 
 
 # ---------------------------------------------------------------------------------------------- reward model

@@ -60,6 +60,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     s = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots")
     s.add_argument("run", type=Path)
+    s = sub.add_parser(
+        "export", help="copy a published weight version out as a standalone HF model directory"
+    )
+    s.add_argument("run", type=Path)
+    s.add_argument("--version", required=True, help="a published version number, or `latest`")
+    s.add_argument("out", type=Path, help="a new directory")
+    s = sub.add_parser(
+        "export-shards", help="write each ready shard as Parquet (one file per shard) into OUT"
+    )
+    s.add_argument("run", type=Path)
+    s.add_argument("--format", choices=["parquet"], default="parquet")
+    s.add_argument("out", type=Path, help="directory of Parquet files; shards already there are skipped")
     return p
 
 
@@ -136,9 +148,15 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             return 0
         return run_demo(args, overrides)
     if args.cmd == "report":
-        from .report import main as report_main
+        from .report import write_report
 
-        return report_main(_existing(args.run))
+        for p in write_report(_existing(args.run)):
+            print(p)
+        return 0
+    if args.cmd in ("export", "export-shards"):
+        from .export import main as export_main
+
+        return export_main(args.cmd, args.run, args.out, getattr(args, "version", None))
     raise AssertionError(args.cmd)
 
 

@@ -22,5 +22,11 @@ def build_base_model(layout: RunLayout, cfg: ShardRLConfig) -> None:
 
 
 def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
-    """`shardrl init`: create the run directory, building the tiny model into it when the config asks for it."""
+    """`shardrl init`: create the run directory, building the tiny model into it when the config asks for it.
+
+    The prompts file is read and checked first, so that no run is created that its workers could not start.
+    """
+    from rollout_worker.prompts import validate_prompts_file
+
+    validate_prompts_file(cfg)
     return _contract_init_run(root, cfg, build_base_model)

@@ -26,6 +26,7 @@ def make_run(root: Path, model: Path, **overrides: Any) -> RunLayout:
     for learning); ``overrides`` are dotted keys written with ``__`` for the dot."""
     settings = {
         "model.path": str(model),
+        "reward.function": "max_digit",
         "rollout.sampling.n": "8",
         "rollout.sampling.max_response_length": "6",
         "algorithm.entropy_coef": "0.01",

@@ -10,20 +10,24 @@ from pathlib import Path
 
 import pytest
 
-from buffer.config import DataConfig
-from rollout_worker.prompts import Prompt, PromptError, PromptStream, epoch_order, load_prompts
+from buffer.config import DataConfig, RewardConfig
+from rollout_worker.engines.base import Completion
+from rollout_worker.prompts import EncodedPrompt, Prompt, PromptError, PromptStream, epoch_order, load_prompts
 from rollout_worker.rewards import (
     RewardConfigError,
     RewardError,
+    RewardFunction,
+    Sample,
+    Scorer,
     exact_match,
-    final_answer,
     math_answer,
     resolve_reward,
     score_group,
-    to_number,
 )
 
 # ---------------------------------------------------------------------------------------------- rewards
+
+STOP, CUT = Sample("q"), Sample("q", "length")
 
 
 @pytest.mark.parametrize(
@@ -33,55 +37,110 @@ from rollout_worker.rewards import (
         ("The answer is 71.", "72", 0.0),
         ("so 3 apples and then 5", "5", 1.0),  # the last number counts
         (r"First 10, then \boxed{12}. Check: 13", "12", 1.0),  # the box wins over later numbers
+        (r"\boxed{\dfrac{1}{2}}", r"\frac12", 1.0),
+        (r"\boxed{10^{3}}", "1000", 1.0),
         (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
         (r"\boxed{0.75}", r"\frac{3}{4}", 1.0),
         (r"\boxed{\dfrac{1}{3}}", "1/3", 1.0),
+        (r"\boxed{\frac{1}{3}}", "0.33", 0.0),
         ("It costs $1,234.", "1234", 1.0),
         ("-3.50", "-3.5", 1.0),
-        (r"\boxed{x^{2}+1}", "x^{2} + 1", 1.0),  # not numbers: compared as text
+        (r"\boxed{x^{2}+1}", "x^{2} + 1", 1.0),  # expressions compare symbolically
         (r"\boxed{x^{2}+2}", "x^{2} + 1", 0.0),
+        (r"\boxed{(x+1)^2}", "x^2 + 2x + 1", 1.0),
         ("Natalia sold 48 + 24 = 72 clips", "She sold 48/2 = 24 in May ... #### 72", 1.0),  # GSM8K answer
-        (r"\boxed{12", "12", 1.0),  # cut inside the box: the last number still is the answer
+        (r"so \boxed{7}", r"We get $3+4$, so \boxed{7}.", 1.0),  # a worked reference with a box
+        (r"\boxed{12", "12", 0.0),  # an unclosed box is no answer
         ("no number at all", "4", 0.0),
         ("", "4", 0.0),
     ],
 )
 def test_math_answer(response: str, answer: str, reward: float) -> None:
-    assert math_answer("q", response, answer) == reward
+    assert math_answer(response, answer, extra={}, sample=STOP) == reward
 
 
-def test_answer_extraction() -> None:
-    assert final_answer(r"a \boxed{ {1}+{2} } b") == "{1}+{2}"
-    assert final_answer(r"\boxed 7 done") == "7"
-    assert final_answer("max(1,2,3)=3") == "3"
-    assert to_number("50%") == 50.0 and to_number("1/0") is None and to_number("abc") is None
-    assert to_number(r"\$12") == 12.0
+def test_math_answer_gives_a_cut_off_response_no_last_number_fallback() -> None:
+    # the same text scores when the model stopped by itself, not when it hit the length limit mid-thought
+    assert math_answer("so 3 apples and then 5", "5", extra={}, sample=STOP) == 1.0
+    assert math_answer("so 3 apples and then 5", "5", extra={}, sample=CUT) == 0.0
+    # a closed box before the cut is still an answer
+    assert math_answer(r"\boxed{5} and then we check 7", "5", extra={}, sample=CUT) == 1.0
+    assert math_answer(r"\boxed{5} and then we check 7", "7", extra={}, sample=CUT) == 0.0
 
 
 def test_exact_match_and_digit_tasks() -> None:
-    assert exact_match("q", "  Paris\n", "Paris") == 1.0
-    assert exact_match("q", "paris", "Paris") == 0.0
+    assert exact_match("  Paris\n", "Paris", extra={}, sample=STOP) == 1.0
+    assert exact_match("paris", "Paris", extra={}, sample=STOP) == 0.0
     digits = resolve_reward("max_digit")
     assert resolve_reward("mod_add") is digits
+    # the older call form (prompt, response, answer) still works on every resolved function
     assert digits("max(3,9)=", " 9", "9") == 1.0
     assert digits("max(3,9)=", "3", "9") == 0.1  # another digit: the shaping reward
     assert digits("max(3,9)=", "x9", "9") == 0.0
+    assert resolve_reward("math_answer")("q", r"\boxed{\frac12}", "0.5") == 1.0
 
 
-def test_user_function_is_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _group(
+    text: str = "p", answer: str | None = None, extra: dict | None = None, index: int = 0
+) -> EncodedPrompt:
+    return EncodedPrompt(Prompt(index, text, answer, None, extra or {}), [1, 2], f"<{text}>")
+
+
+def _outs(*responses: str, cut: tuple[int, ...] = ()) -> list[Completion]:
+    return [
+        Completion([1, 2], [5] * (j + 1), [-0.5] * (j + 1), "length" if j in cut else "stop", r)
+        for j, r in enumerate(responses)
+    ]
+
+
+def test_user_functions_old_new_and_batched_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_rewards.py").write_text(
-        "def length(prompt, response, answer):\n    return float(len(response))\nNOT_CALLABLE = 3\n"
+        "from rollout_worker.rewards import batched\n"
+        "def length(prompt, response, answer):\n    return float(len(response))\n"
+        "def with_extra(response, answer, *, extra, sample):\n"
+        "    return extra['weight'] * len(response) + len(sample.response_ids) / 10\n"
+        "@batched\n"
+        "def batch(responses, answers, *, extras, samples):\n"
+        "    batch.calls.append(len(responses))\n"
+        "    return [float(s.prompt_index) for s in samples]\n"
+        "batch.calls = []\n"
+        "def plain_marked(responses, answers, *, extras, samples):\n    return [0.5] * len(responses)\n"
+        "plain_marked.shardrl_batched = True\n"
+        "NOT_CALLABLE = 3\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         fn = resolve_reward("my_rewards:length")
         assert score_group(fn, "p", ["ab", "abcd"], None) == [2.0, 4.0]
+        assert Scorer(RewardConfig(function="my_rewards:length")).score_batch(
+            [_group()], [_outs("ab", "abc")]
+        )[0].rewards == [2.0, 3.0]
+        # the row's extra fields and the sample reach the function
+        scored = Scorer(RewardConfig(function="my_rewards:with_extra")).score_batch(
+            [_group(extra={"weight": 2})], [_outs("ab", "abc")]
+        )
+        assert scored[0].rewards == [4.1, 6.2]
+        # a batched function is called once for the whole batch, with lists
+        scorer = Scorer(RewardConfig(function="my_rewards:batch"))
+        out = scorer.score_batch([_group(index=3), _group(index=8)], [_outs("a", "b"), _outs("c", "d", "e")])
+        assert [g.rewards for g in out] == [[3.0, 3.0], [8.0, 8.0, 8.0]]
+        assert sys.modules["my_rewards"].batch.calls == [5]
+        marked = Scorer(RewardConfig(function="my_rewards:plain_marked"))
+        assert marked.score_batch([_group()], [_outs("a")])[0].rewards == [0.5]
         with pytest.raises(RewardConfigError, match="has no function 'NOT_CALLABLE'"):
             resolve_reward("my_rewards:NOT_CALLABLE")
         with pytest.raises(RewardConfigError, match="has no function 'missing'"):
             resolve_reward("my_rewards:missing")
     finally:
         sys.modules.pop("my_rewards", None)
+
+
+def test_truncated_reward_replaces_the_score_of_cut_off_responses() -> None:
+    outs = _outs(r"\boxed{4}", r"\boxed{4}", "so it is 4", cut=(1, 2))
+    normal = Scorer(RewardConfig(function="math_answer")).score_batch([_group(answer="4")], [outs])
+    assert normal[0].rewards == [1.0, 1.0, 0.0]  # cut off: only the closed box counts
+    fixed = Scorer(RewardConfig(function="math_answer", truncated_reward=-1.0))
+    assert fixed.score_batch([_group(answer="4")], [outs])[0].rewards == [1.0, -1.0, -1.0]
 
 
 @pytest.mark.parametrize(
@@ -115,6 +174,30 @@ def test_a_failing_sample_fails_its_group() -> None:
         score_group(lambda p, r, a: None, "p", ["a"], None)  # type: ignore[arg-type, return-value]
     with pytest.raises(RewardError, match="needs an answer"):
         score_group(resolve_reward("math_answer"), "p", ["1"], None)
+
+
+def test_the_scorer_fails_only_the_group_that_fails() -> None:
+    scorer = Scorer(RewardConfig(function="exact_match"))
+    out = scorer.score_batch(
+        [_group(answer="x"), _group(answer=None), _group(answer="y")], [_outs("x", "z")] * 3
+    )
+    assert out[0].rewards == [1.0, 0.0] and out[2].rewards == [0.0, 0.0]
+    assert out[1].rewards is None and "needs an answer" in (out[1].error or "")
+
+    def nan_for_b(responses, answers, *, extras, samples):  # type: ignore[no-untyped-def]
+        return [math.nan if r == "b" else 1.0 for r in responses]
+
+    scorer.function = RewardFunction("nan_for_b", nan_for_b, "batched")
+    got = scorer.score_batch([_group(), _group()], [_outs("a", "a"), _outs("a", "b")])
+    assert got[0].rewards == [1.0, 1.0] and got[1].rewards is None and "returned nan" in (got[1].error or "")
+
+    def wrong_length(responses, answers, *, extras, samples):  # type: ignore[no-untyped-def]
+        return [1.0]
+
+    # one call for the whole batch: when it fails, every group of the batch fails
+    scorer.function = RewardFunction("wrong_length", wrong_length, "batched")
+    got = scorer.score_batch([_group(), _group()], [_outs("a", "a"), _outs("a")])
+    assert all(g.rewards is None and "must return 3 values" in (g.error or "") for g in got)
 
 
 def test_reward_model_scores_prompt_plus_response(tmp_path: Path, tiny_model_untied: Path) -> None:
@@ -173,7 +256,7 @@ def test_demo_tasks_and_files(tmp_path: Path) -> None:
         pa.table({"prompt": ["x", "y"], "answer": ["1", None], "other": [1, 2]}), tmp_path / "p.parquet"
     )
     got = load_prompts(_data(prompts_file=str(tmp_path / "p.parquet")))
-    assert got == [Prompt(0, "x", "1"), Prompt(1, "y", None)]
+    assert got == [Prompt(0, "x", "1", None, {"other": 1}), Prompt(1, "y", None, None, {"other": 2})]
 
 
 @pytest.mark.parametrize(
@@ -210,7 +293,12 @@ def test_parquet_without_the_prompt_column(tmp_path: Path) -> None:
 def _stream(n: int = 10, slot: int = 0, seed: int = 1, max_tokens: int = 100, **kw: int) -> PromptStream:
     prompts = [Prompt(i, "x" * (i + 1), None) for i in range(n)]
     return PromptStream(
-        prompts, lambda t: list(range(len(t))), seed=seed, slot=slot, max_tokens=max_tokens, **kw
+        prompts,
+        lambda p: (p.text, list(range(len(p.text)))),
+        seed=seed,
+        slot=slot,
+        max_tokens=max_tokens,
+        **kw,
     )
 
 
@@ -257,7 +345,7 @@ def test_too_long_prompts_are_skipped_and_counted() -> None:
         _stream(max_tokens=0).next_batch(1)
 
 
-def test_chat_template_is_applied_when_asked() -> None:
+def test_chat_template_is_applied_to_chat_prompts() -> None:
     from rollout_worker.prompts import make_encoder
 
     class Tok:
@@ -266,20 +354,28 @@ def test_chat_template_is_applied_when_asked() -> None:
 
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):  # type: ignore[no-untyped-def]
             assert add_generation_prompt and not tokenize
-            return "<user>" + messages[0]["content"] + "<assistant>"
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
         def __call__(self, text, add_special_tokens=True):  # type: ignore[no-untyped-def]
             return {"input_ids": [ord(c) for c in text] + ([0] if add_special_tokens else [])}
 
-    assert make_encoder(Tok(), chat_template=True)("a") == [ord(c) for c in "<user>a<assistant>"]
-    assert make_encoder(Tok(), chat_template=False)("a") == [ord("a"), 0]
+    chat = Prompt(0, "a", None, ({"role": "user", "content": "a"},))
+    assert make_encoder(Tok(), chat_template=True)(chat) == (
+        "<user>a<assistant>",
+        [ord(c) for c in "<user>a<assistant>"],
+    )
+    assert make_encoder(Tok(), chat_template=False)(Prompt(0, "a", None)) == ("a", [ord("a"), 0])
     Tok.chat_template = ""
     with pytest.raises(PromptError, match="no chat template"):
         make_encoder(Tok(), chat_template=True)
+    with pytest.raises(
+        PromptError, match=r"tok: the tokenizer has no chat template .*prompt 0 \(field 'prompt'\)"
+    ):
+        make_encoder(Tok())(chat)
 
 
 def test_config_json_round_trip_of_prompts(tmp_path: Path) -> None:
     # answers that are numbers in JSON become strings, as the reward functions expect
     (tmp_path / "n.jsonl").write_text(json.dumps({"prompt": "2+2", "answer": 4.0}) + "\n")
     assert load_prompts(_data(prompts_file=str(tmp_path / "n.jsonl")))[0].answer == "4.0"
-    assert math_answer("2+2", "4", "4.0") == 1.0
+    assert math_answer("4", "4.0", extra={}, sample=STOP) == 1.0

@@ -1,0 +1,173 @@
+"""Exports out of a run directory, for use outside shardrl.
+
+``shardrl export RUN --version V OUT`` copies a published weight version into a standalone HF model directory (what
+``from_pretrained`` and vLLM load); the version is verified against its manifest, checksums included, before
+anything is copied, and every copied file is checked again against the manifest.  ``shardrl export-shards RUN
+--format parquet OUT`` writes one Parquet file per ready shard into OUT (a directory that pyarrow, pandas, polars and
+DuckDB read as one dataset; docs/DATA.md); each shard is validated first, and shards already exported are skipped,
+so running it again exports only what is new.
+
+Both only read the run: rollout workers and the trainer may keep running.  Outputs appear whole or not at all
+(tmp -> fsync -> rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from buffer.config import ConfigError
+from buffer.fsio import fsync_dir, tmp_name
+from buffer.layout import RunLayout
+from buffer.run import open_run
+from buffer.shards import SUFFIX, ShardError, list_ready, read_shard
+from buffer.weights import MANIFEST, WeightsError, latest_version, manifest_of, verify_version
+
+# Files a HF tokenizer directory may hold; copied from the run's tokenizer when a version carries none.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+class ExportError(ConfigError):
+    """A user-caused export problem (no such version, OUT not empty, a damaged file); one line."""
+
+
+def _fresh_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out}: already exists and is not an empty directory; choose a new OUT")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _copy_checked(src: Path, dest: Path, sha256: str | None) -> None:
+    """Copy ``src`` to ``dest`` hashing the bytes as they pass; a mismatch with the manifest is an ExportError."""
+    h = hashlib.sha256()
+    with open(src, "rb") as fin, open(dest, "wb") as fout:
+        while block := fin.read(8 << 20):
+            h.update(block)
+            fout.write(block)
+        fout.flush()
+        os.fsync(fout.fileno())
+    if sha256 is not None and h.hexdigest() != sha256:
+        raise ExportError(
+            f"{src}: sha256 changed while copying (does not match {MANIFEST}); run the export again"
+        )
+
+
+def resolve_version(layout: RunLayout, version: str) -> int:
+    """``latest`` or a version number -> a published version number (not 0, the base model)."""
+    v = latest_version(layout) if version == "latest" else int(version) if version.isdigit() else None
+    if v is None:
+        raise ExportError(f"command line: --version {version!r}: expected a version number or `latest`")
+    if v == 0:
+        raise ExportError(
+            f"{layout.weights}: no published version yet (version 0 is the base model, model.path in the config)"
+        )
+    return v
+
+
+def export_version(run_dir: Path, version: str, out: Path) -> Path:
+    """Copy the verified weight version ``version`` of the run to ``out`` (a new directory); returns ``out``."""
+    run = open_run(run_dir)
+    v = resolve_version(run.layout, version)
+    try:
+        wv = verify_version(run.layout, v, checksums=True)
+    except WeightsError as e:
+        raise ExportError(str(e)) from None
+    _fresh_out(out)
+    files = manifest_of(wv.path)["files"]
+    tmp = tmp_name(out)
+    tmp.mkdir()
+    try:
+        for rel, meta in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            _copy_checked(wv.path / rel, tmp / rel, meta.get("sha256"))
+        _copy_checked(
+            wv.path / MANIFEST, tmp / MANIFEST, None
+        )  # provenance: version, step, every file's sha256
+        if not any(name in files for name in TOKENIZER_FILES):
+            for name in TOKENIZER_FILES:
+                if (run.tokenizer_dir / name).is_file():
+                    _copy_checked(run.tokenizer_dir / name, tmp / name, None)
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except FileNotFoundError as e:
+        raise ExportError(
+            f"{e.filename}: deleted while copying (garbage collection keeps run.keep_weight_versions); "
+            "export a newer version"
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+@dataclass
+class ShardExport:
+    written: list[Path] = field(default_factory=list)
+    already: int = 0  # exported by an earlier run of the command
+    bad: list[str] = field(default_factory=list)  # "<shard>: <reason>" of shards that failed validation
+
+
+def parquet_name(shard_name: str) -> str:
+    return shard_name.removesuffix(SUFFIX) + ".parquet"
+
+
+def export_shards(run_dir: Path, out: Path) -> ShardExport:
+    """Each validated ready shard of the run as ``OUT/<shard name>.parquet``; existing ones are kept."""
+    import pyarrow.parquet as pq
+
+    run = open_run(run_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory; OUT is the directory of Parquet files")
+    out.mkdir(parents=True, exist_ok=True)
+    report = ShardExport()
+    for shard in list_ready(run.layout):
+        dest = out / parquet_name(shard.name)
+        if dest.exists():
+            report.already += 1
+            continue
+        try:
+            table = read_shard(run.layout.ready_shard(shard.name), run.config.model.vocab_size)
+        except ShardError as e:
+            report.bad.append(str(e))
+            continue
+        except FileNotFoundError:  # quarantined by a reader meanwhile
+            continue
+        tmp = tmp_name(dest)  # a hidden name: dataset readers skip it
+        try:
+            pq.write_table(table, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.rename(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        report.written.append(dest)
+    fsync_dir(out)
+    return report
+
+
+def main(cmd: str, run_dir: Path, out: Path, version: str | None) -> int:
+    """The two subcommands' output lines; exit 1 when a shard failed validation."""
+    if cmd == "export":
+        print(export_version(run_dir, str(version), out))
+        return 0
+    rep = export_shards(run_dir, out)
+    for line in rep.bad:
+        print(f"SKIPPED {line}")
+    print(
+        f"wrote {len(rep.written)} Parquet file(s) to {out} ({rep.already} already there, {len(rep.bad)} bad)"
+    )
+    return 1 if rep.bad else 0
