@@ -199,6 +199,9 @@ class SupervisorStatus(StatusRecord):
     workers: dict[str, SupervisedWorker] = Field(default_factory=dict)
     failed_slots: dict[str, str] = Field(default_factory=dict)
     control_generation: int | None = None
+    last_rejection: str | None = None  # the last control command this supervisor saw rejected
+    control_problem: str | None = None  # why the desired count cannot be read, while it cannot
+    last_error: str | None = None  # the last storage error it kept going through
     last_rejection: str | None = None  # why the last control.json command was rejected
     control_problem: str | None = None  # why the newest control generation is not followed (damaged)
     last_error: str | None = (
@@ -248,14 +251,24 @@ class ManifestFile(_Strict):
 
 
 class WeightsManifest(Record):
-    """``weights/vXXXXXX/manifest.json``, written last into a version: every file with its size and sha256."""
+    """``weights/vXXXXXX/manifest.json``, written last into a version: every file with its size and sha256.
 
-    schema_version: Literal[1] = 1
+    ``kind`` says what the directory is: ``full`` HF weights, or a peft LoRA ``adapter`` for the base model
+    ``base_model`` (whose ``buffer.weights.base_model_hash`` is ``base_sha256``).  ``adapter`` is where the adapter
+    lies in the version (``.`` for an adapter version; a subdirectory of a full version merged from an adapter),
+    None when there is none.
+    """
+
+    schema_version: Literal[2] = 2
     version: int = Field(ge=1)
     step: int = Field(ge=0)
     dtype: str
     created_at: float
     files: dict[str, ManifestFile]
+    kind: Literal["full", "adapter"] = "full"
+    adapter: str | None = None
+    base_model: str | None = None
+    base_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 
 # ---------------------------------------------------------------------------------------------- control
