@@ -34,7 +34,7 @@ from trainer.data import Planner, Sample
 from trainer.metrics import setup_logging, step_line
 from trainer.model import build_actor, build_critic, build_optimizer, build_reference, build_scheduler
 from trainer.publish import publish_weights
-from trainer.step import Models, train_step
+from trainer.step import Models, kl_controller, train_step
 
 log = logging.getLogger("trainer")
 T = TypeVar("T")
@@ -130,7 +130,7 @@ def build_models(run: Run) -> Models:
     }
     actor = build_actor(run.model_dir, device, **sharding)
     opt = build_optimizer(actor, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
-    models = Models(actor, opt, build_scheduler(opt, **schedule))
+    models = Models(actor, opt, build_scheduler(opt, **schedule), kl=kl_controller(cfg))
     if cfg.algorithm.kl_coef > 0:
         models.reference = build_reference(run.model_dir, device, param_dtype=t.param_dtype)
     if cfg.algorithm.name == "ppo":
@@ -152,6 +152,7 @@ def resume(run: Run, models: Models, epoch: int) -> TrainState:
     if step is not None:
         extra = ckpt.load_checkpoint(run.layout, step, *models.parts())
         state = TrainState(**extra["train_state"])
+        models.load_state(extra)
         log.info("resumed from checkpoint step %d (weights v%d)", state.step, state.version)
     # A trainer that died after publishing but before checkpointing: never reuse a version number.
     state.version = max(state.version, on_rank0(lambda: _newest_version(run)))
@@ -314,7 +315,7 @@ def save(run: Run, models: Models, state: TrainState) -> None:
         run.layout,
         state.step,
         *models.parts(),
-        {"train_state": asdict(state)},
+        {"train_state": asdict(state), **models.state()},
         keep=run.config.trainer.keep_checkpoints,
     )
 
@@ -378,10 +379,11 @@ def train(run: Run) -> TrainState:
 def check_config(run: Run) -> None:
     """Combinations the config models accept but the trainer cannot honour."""
     a = run.config.algorithm
-    if a.kl_coef > 0 and a.kl_mode == "reward" and a.name != "ppo":
+    if a.kl_target is not None and a.kl_horizon < run.config.trainer.samples_per_step:
         raise ConfigError(
-            f"{run.layout.config_json}: field algorithm.kl_mode is 'reward', which needs algorithm.name = 'ppo' "
-            f"(token rewards); with {a.name!r} use kl_mode = 'loss'"
+            f"{run.layout.config_json}: field algorithm.kl_horizon ({a.kl_horizon:g}) must be at least "
+            f"trainer.samples_per_step ({run.config.trainer.samples_per_step}) with algorithm.kl_target set: the "
+            "adaptive KL coefficient would change by more than 20% in one step"
         )
 
 

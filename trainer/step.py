@@ -6,10 +6,13 @@ ones still run forward and backward), and losses are normalised by the mini-batc
 so the gradient does not depend on how samples fall onto micro-batches and ranks.
 
 Before the first update a no-grad pass computes what must come from the weights before this step: reference
-logprobs (KL), proximal logprobs (the decoupled objective over several updates, the KL reward penalty) and, for PPO,
-the critic's old values, token rewards (the scalar reward on the last response token, minus the KL penalty when
-``kl_mode = "reward"``), GAE advantages and returns, optionally whitened over the whole step on all ranks.  GRPO
-advantages are per sample (group-relative) and need none of the PPO part.
+logprobs (KL), proximal logprobs (the decoupled objective over several updates, the KL reward penalty) and the token
+rewards (the scalar reward on the last response token, minus the KL penalty when ``kl_mode = "reward"``) of the
+token-level algorithms: for PPO the critic's old values, GAE advantages and returns, optionally whitened over the
+whole step on all ranks; for REINFORCE++ the returns, always whitened that way.  GRPO and RLOO advantages are per
+sample (from the rewards of the sample's group) and need none of it.  After the step, an adaptive KL coefficient
+(``algorithm.kl_target``) moves towards the target by the step's measured KL; ``Models.state`` carries it through
+checkpoints.
 
 Called by ``trainer/loop.py`` (and ``bench/trainer.py``) on every rank with the same samples.
 """
@@ -42,6 +45,7 @@ class Models:
     critic: Any = None
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: Any = None
+    kl: ppo.KLController | None = None  # None: the fixed algorithm.kl_coef (and nothing to checkpoint)
 
     def parts(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         """Trainable models, optimizers and schedulers by part name, as checkpoints store them."""
@@ -52,6 +56,25 @@ class Models:
             models["critic"], optims["critic"] = self.critic, self.critic_optimizer
             scheds["critic"] = self.critic_scheduler
         return models, optims, scheds
+
+    def state(self) -> dict[str, Any]:
+        """Training state that is neither weights nor optimizer nor scheduler, JSON-able, for checkpoints."""
+        return {"kl_controller": self.kl.state_dict()} if self.kl is not None else {}
+
+    def load_state(self, saved: dict[str, Any]) -> None:
+        """Restore what `state` returned (a checkpoint from before the KL controller existed has none)."""
+        if self.kl is not None and "kl_controller" in saved:
+            self.kl.load_state_dict(saved["kl_controller"])
+
+
+def kl_controller(cfg: ShardRLConfig) -> ppo.KLController | None:
+    """The KL coefficient's controller: None without a reference model (``kl_coef = 0``)."""
+    a = cfg.algorithm
+    return ppo.KLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_coef > 0 else None
+
+
+def _kl_coef(cfg: ShardRLConfig, models: Models) -> float:
+    return models.kl.value if models.kl is not None else cfg.algorithm.kl_coef
 
 
 @dataclass
@@ -69,6 +92,15 @@ class MiniBatch:
 
 
 GradHook = Callable[[Models], None]
+
+# The normalisers of one mini-batch's losses, in the order `ppo.aggregate` takes them: response tokens and sequences
+# of the whole mini-batch (all ranks), and the constant response length of seq-mean-token-sum-norm.
+Counts = tuple[float, float, float]
+
+
+def _loss_counts(cfg: ShardRLConfig, mini: MiniBatch) -> Counts:
+    tokens, seqs = mini.counts
+    return tokens, seqs, float(cfg.rollout.sampling.max_response_length)
 
 
 class _Metrics:
@@ -91,13 +123,20 @@ class _Metrics:
         return dict(zip(keys, tdist.all_reduce_sum(t).tolist(), strict=True))
 
 
-def grpo_sample_advantages(samples: list[Sample], norm_by_std: bool) -> None:
+def group_sample_advantages(cfg: ShardRLConfig, samples: list[Sample]) -> None:
+    """GRPO / RLOO: each sample's advantage from the rewards of its group (other algorithms: per token, later)."""
+    a = cfg.algorithm
     groups: dict[str, int] = {}
     index = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples])
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    adv = ppo.grpo_advantages(rewards, index, norm_by_std)
-    for s, a in zip(samples, adv.tolist(), strict=True):
-        s.advantage = a
+    if a.name == "grpo":
+        adv = ppo.grpo_advantages(rewards, index, a.norm_adv_by_std)
+    elif a.name == "rloo":
+        adv = ppo.rloo_advantages(rewards, index)
+    else:
+        return
+    for s, value in zip(samples, adv.tolist(), strict=True):
+        s.advantage = value
 
 
 def sampling_temperature(cfg: ShardRLConfig) -> float:
@@ -172,20 +211,39 @@ def _gae(
     return F.pad(adv, (lo, 0)), F.pad(ret, (lo, 0))
 
 
+def _token_rewards(cfg: ShardRLConfig, models: Models, b: Batch, m: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sequence reward on its last response token, minus the KL penalty on every token with kl_mode = "reward"
+    (its token-mean goes into ``m`` as ``kl_ref``)."""
+    mask = b["response_mask"]
+    rewards = ppo.scalar_reward_to_tokens(b["rewards"], mask)
+    if _kl_in_reward(cfg):
+        kl = ppo.kl_estimate(b["prox_logp"], b["ref_logp"], cfg.algorithm.kl_estimator) * mask
+        rewards = rewards - _kl_coef(cfg, models) * kl
+        m["kl_ref"] = ppo.masked_mean(kl, mask)
+    return rewards
+
+
 def _ppo_targets(cfg: ShardRLConfig, models: Models, b: Batch) -> dict[str, torch.Tensor]:
     """Old values, token rewards, GAE advantages and returns of one micro-batch (written into ``b``)."""
     a = cfg.algorithm
+    assert a.name == "ppo"
     mask = b["response_mask"]
     b["old_values"] = batch_values(models.critic, b)
-    rewards = ppo.scalar_reward_to_tokens(b["rewards"], mask)
     m: dict[str, torch.Tensor] = {}
-    if _kl_in_reward(cfg):
-        kl = ppo.kl_estimate(b["prox_logp"], b["ref_logp"], a.kl_estimator) * mask
-        rewards = rewards - a.kl_coef * kl
-        m["kl_ref"] = ppo.masked_mean(kl, mask)
+    rewards = _token_rewards(cfg, models, b, m)
     b["advantages"], b["returns"] = _gae(rewards, b["old_values"], mask, a.gamma, a.lam)
     m["returns_mean"] = ppo.masked_mean(b["returns"], mask)
     m["old_value_mean"] = ppo.masked_mean(b["old_values"], mask)
+    return m
+
+
+def _reinforce_pp_returns(cfg: ShardRLConfig, models: Models, b: Batch) -> dict[str, torch.Tensor]:
+    """REINFORCE++ returns of one micro-batch, written into ``b`` as its advantages (whitened afterwards over the
+    whole step, which makes them ``ppo.reinforce_pp_advantages`` of the step's batch)."""
+    m: dict[str, torch.Tensor] = {}
+    mask = b["response_mask"]
+    b["advantages"] = ppo.reinforce_pp_returns(_token_rewards(cfg, models, b, m), mask)
+    m["returns_mean"] = ppo.masked_mean(b["advantages"], mask)
     return m
 
 
@@ -215,17 +273,18 @@ def _whiten_over_ranks(batches: list[Batch], eps: float = 1e-8) -> None:
 def prepare(cfg: ShardRLConfig, models: Models, minis: list[MiniBatch], metrics: _Metrics) -> None:
     """Everything that needs the weights before the step's first update, added to each micro-batch."""
     a = cfg.algorithm
+    targets = {"ppo": _ppo_targets, "reinforce_pp": _reinforce_pp_returns}.get(a.name)
     # With one update the proximal policy is the current one: its logprobs are the actor's own, detached.
-    need_prox = (a.off_policy == "decoupled" and len(minis) > 1) or (a.name == "ppo" and _kl_in_reward(cfg))
+    need_prox = (a.off_policy == "decoupled" and len(minis) > 1) or _kl_in_reward(cfg)
     for mini in minis:
         for i, b in enumerate(mini.batches):
             if models.reference is not None:
                 b["ref_logp"] = _logp(models.reference, b, cfg, with_entropy=False)[0]
             if need_prox:
                 b["prox_logp"] = _logp(models.actor, b, cfg, with_entropy=False)[0]
-            if a.name == "ppo":
-                metrics.add(_ppo_targets(cfg, models, b), mini.share(i, len(minis)))
-    if a.name == "ppo" and a.whiten_advantages:
+            if targets is not None:
+                metrics.add(targets(cfg, models, b), mini.share(i, len(minis)))
+    if a.name == "reinforce_pp" or (a.name == "ppo" and a.whiten_advantages):
         _whiten_over_ranks([b for mini in minis for b in mini.batches])
 
 
@@ -237,24 +296,35 @@ def _policy_terms(
     logp: torch.Tensor,
     b: Batch,
     prox: torch.Tensor,
-    counts: tuple[float, float],
+    counts: Counts,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a = cfg.algorithm
     mask, adv, behaviour = b["response_mask"], b["advantages"], b["behaviour_logp"]
-    g_tok, g_seq = counts
+    level = a.off_policy_level
     if a.off_policy == "tis":
         # truncated-IS policy gradient against the behaviour policy: no ratio, a capped weight
-        w = ppo.truncated_is_weight(logp.detach(), behaviour, a.tis_cap)
+        w = ppo.truncated_is_weight(logp.detach(), behaviour, a.tis_cap, mask, level)
         tok = -w * adv * logp
-        loss = ppo.aggregate(tok, mask, a.loss_agg, g_tok, g_seq)
+        loss = ppo.aggregate(tok, mask, a.loss_agg, *counts)
         return loss, {"is_weight": ppo.masked_mean(w, mask)}
     old, weight = (
         (behaviour, None)
         if a.off_policy == "none"
-        else (prox, ppo.truncated_is_weight(prox, behaviour, a.tis_cap))
+        else (prox, ppo.truncated_is_weight(prox, behaviour, a.tis_cap, mask, level))
     )
+    ratio_level: ppo.Level = "sequence" if a.policy_loss == "gspo" else "token"
     loss, m = ppo.policy_loss(
-        logp, old, adv, mask, a.clip_low, a.clip_high, a.dual_clip, a.loss_agg, g_tok, g_seq, is_weight=weight
+        logp,
+        old,
+        adv,
+        mask,
+        a.clip_low,
+        a.clip_high,
+        a.dual_clip,
+        a.loss_agg,
+        *counts,
+        is_weight=weight,
+        ratio_level=ratio_level,
     )
     if weight is not None:
         m["is_weight"] = ppo.masked_mean(weight, mask)
@@ -262,16 +332,17 @@ def _policy_terms(
 
 
 def _value_terms(
-    cfg: ShardRLConfig, models: Models, b: Batch, counts: tuple[float, float]
+    cfg: ShardRLConfig, models: Models, b: Batch, counts: Counts
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a, mask = cfg.algorithm, b["response_mask"]
+    assert a.name == "ppo"
     values = batch_values(models.critic, b)
     loss, m = ppo.value_loss(values, b["old_values"], b["returns"], mask, a.value_clip, a.loss_agg, *counts)
     return a.value_coef * loss, m
 
 
 def _microbatch_loss(
-    cfg: ShardRLConfig, models: Models, b: Batch, counts: tuple[float, float]
+    cfg: ShardRLConfig, models: Models, b: Batch, counts: Counts
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a = cfg.algorithm
     # The entropy is computed only when it is in the loss: inside the checkpointed LM-head chunks it would otherwise
@@ -284,7 +355,8 @@ def _microbatch_loss(
         loss = loss + ent_loss
         m.update(em)
     if "ref_logp" in b and a.kl_mode == "loss":
-        kl_loss, km = ppo.kl_loss(logp, b["ref_logp"], mask, a.kl_coef, a.kl_estimator, a.loss_agg, *counts)
+        coef = _kl_coef(cfg, models)
+        kl_loss, km = ppo.kl_loss(logp, b["ref_logp"], mask, coef, a.kl_estimator, a.loss_agg, *counts)
         loss = loss + kl_loss
         m.update(km)
     m["mismatch_kl"] = ppo.mismatch_kl(logp.detach(), b["behaviour_logp"], mask)
@@ -329,15 +401,14 @@ def train_step(
 
     ``grad_hook(models)``, when given, runs after the backward of each update, before clipping (a debugging aid).
     """
-    if cfg.algorithm.name == "grpo":
-        grpo_sample_advantages(samples, cfg.algorithm.norm_adv_by_std)
+    group_sample_advantages(cfg, samples)
     minis = minibatches(cfg, samples, pad_id)
     metrics = _Metrics()
     prepare(cfg, models, minis, metrics)
     norms: dict[str, list[float]] = {}
     for mini in minis:
         for i, b in enumerate(mini.batches):
-            loss, m = _microbatch_loss(cfg, models, b, mini.counts)
+            loss, m = _microbatch_loss(cfg, models, b, _loss_counts(cfg, mini))
             # FSDP averages gradients over ranks; losses are already normalised by global counts, so undo the mean
             (loss * tdist.world()).backward()
             metrics.add(m, mini.share(i, len(minis)))
@@ -352,4 +423,15 @@ def train_step(
     out["skipped_updates"] = sum(norms["skipped_updates"])
     out["lr"] = float(models.optimizer.param_groups[0]["lr"])
     out["clip_frac"] = out.get("clip_frac_low", 0.0) + out.get("clip_frac_high", 0.0)
+    _adapt_kl(cfg, models, out, len(samples))
     return out
+
+
+def _adapt_kl(cfg: ShardRLConfig, models: Models, out: dict[str, float], n_samples: int) -> None:
+    """Log the KL coefficient this step used, then let the controller react to the step's KL (the reduced metric,
+    the same number on every rank, so every rank's coefficient stays the same)."""
+    if cfg.algorithm.kl_coef <= 0:
+        return
+    out["kl_coef"] = _kl_coef(cfg, models)
+    if models.kl is not None and "kl_ref" in out:
+        models.kl.update(out["kl_ref"], n_samples)
