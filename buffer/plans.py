@@ -8,8 +8,8 @@ when it is in a valid plan (trained, or dropped as too stale); a sample that was
 Plans and epoch claims are ``records.Plan`` / ``records.EpochClaim``; one that is not a valid record is an error
 (RecordError), never skipped: exactly-once cannot be decided without it.
 
-Fencing.  Each trainer incarnation claims the next epoch with ``fsio.claim_next`` (``plans/epochs/EEEEEE.json``), recording
-the highest valid plan step it saw (``max_step``).  A plan of epoch e for step s is valid only if s <= max_step of
+Fencing.  Each trainer incarnation claims the next epoch with ``fsio.claim_next`` (``plans/epochs/EEEEEE.json``),
+recording the highest valid plan step it saw (``max_step``).  A plan of epoch e for step s is valid only if s <= max_step of
 every later epoch: a zombie incarnation (an old Slurm job after a requeue) can only have written plans with higher
 steps after the newer one claimed, so whatever it writes is ignored, whatever the timing.  ``write_plan`` also
 refuses outright once a newer epoch exists.
