@@ -7,9 +7,19 @@ new command.  Applying a command (or rejecting one) creates the next generation 
 exclusive create; when several supervisors race, exactly one create wins and the others re-read, find the command
 in the history and skip it, so each command is applied exactly once across nodes.
 
-Leases: slot k is held by the supervisor named in ``leases/slot-XXXX.json``; the holder bumps a counter each
-heartbeat.  An observer judges a lease stale when the counter has not changed for ``timeout_s`` on its own monotonic
-clock, never by comparing clocks of different hosts.
+The newest generation is the truth: when it cannot be read or is not a valid record, the state carries a
+``problem`` and nothing is committed on top of it (supervisors keep the count they had, and say why), rather than
+falling back to an older generation's count.
+
+Leases: slot k is held by the supervisor named in its newest lease generation ``leases/slot-XXXX/GGGGGGGG.json``;
+the holder rewrites only its own generation, bumping a counter each heartbeat.  An observer judges a lease stale when
+(generation, counter) has not changed for ``timeout_s`` on its own monotonic clock, never by comparing clocks of
+different hosts.  Taking a slot over (or taking a free or released one) is the exclusive create of the next
+generation, the mechanism control generations and plan epochs use: of any number of reclaimers that saw generation g
+stale, exactly one creates g + 1; the others find it taken and hold nothing.  A holder that finds a newer generation
+than its own has lost the slot.  The worker of a slot watches the lease too (``LeaseWatch``) and stops by itself
+once it is not its supervisor's any more, or stops moving (the supervisor stalled), well before anyone else can take
+the slot over.
 """
 
 from __future__ import annotations
@@ -20,14 +30,15 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .fsio import HOST, create_json_exclusive, read_json_or_none, write_json_atomic
+from .fsio import HOST, create_json_exclusive, read_json, read_json_or_none, write_json_atomic
 from .layout import RunLayout
 
 ACTIONS = ("add", "remove", "set")
 HISTORY = 256
+COMMIT_ATTEMPTS = 8  # commits lost in a row before a poll gives up until the next one
 _GEN_RE = re.compile(r"^gen-(\d{8})\.json$")
 
 
@@ -73,6 +84,9 @@ class ControlState:
     last_applied: dict | None
     last_rejection: dict | None
     history: list[str]
+    # Set when the newest generation is unreadable or invalid: ``desired`` and the rest then come from the newest
+    # valid older generation, for display only; supervisors keep their own count and commit nothing on top.
+    problem: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -83,6 +97,25 @@ class ControlState:
             "history": self.history,
         }
 
+    @classmethod
+    def from_json(cls, generation: int, rec: Any) -> ControlState:
+        """A generation record, checked field by field; ValueError names what is wrong."""
+        if not isinstance(rec, dict):
+            raise ValueError("not a JSON object")
+        desired, history = rec.get("desired"), rec.get("history")
+        if not isinstance(desired, int) or isinstance(desired, bool) or desired < 0:
+            raise ValueError(f"field desired: {desired!r} is not an integer >= 0")
+        if not isinstance(history, list) or not all(isinstance(k, str) for k in history):
+            raise ValueError("field history: not a list of command keys")
+        applied, rejection = rec.get("last_applied"), rec.get("last_rejection")
+        return cls(
+            generation,
+            desired,
+            applied if isinstance(applied, dict) else None,
+            rejection if isinstance(rejection, dict) else None,
+            history,
+        )
+
 
 def _generations(layout: RunLayout) -> list[int]:
     try:
@@ -92,19 +125,32 @@ def _generations(layout: RunLayout) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := _GEN_RE.match(n)))
 
 
+def _read_generation(layout: RunLayout, gen: int) -> ControlState:
+    """Generation ``gen``; OSError after the transient retries, ValueError when it is not a valid record."""
+    return ControlState.from_json(gen, read_json(layout.control_generation(gen)))
+
+
 def read_state(layout: RunLayout) -> ControlState:
-    """The newest generation; a run without any starts at desired 0."""
-    for gen in reversed(_generations(layout)):
-        rec = read_json_or_none(layout.control_generation(gen))
-        if isinstance(rec, dict):
-            return ControlState(
-                gen,
-                int(rec["desired"]),
-                rec.get("last_applied"),
-                rec.get("last_rejection"),
-                list(rec["history"]),
-            )
-    return ControlState(0, 0, None, None, [])
+    """The newest generation; a run without any starts at desired 0.
+
+    A newest generation that cannot be read or is invalid (a damaged disk, a hand edit) is reported in ``problem``,
+    never silently replaced by an older one.
+    """
+    gens = _generations(layout)
+    if not gens:
+        return ControlState(0, 0, None, None, [])
+    try:
+        return _read_generation(layout, gens[-1])
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        problem = (
+            f"{layout.control_generation(gens[-1])}: {reason}; the desired worker count is unknown until it is "
+            "repaired (supervisors keep their current count): move it away, then repeat the last command"
+        )
+    for gen in reversed(gens[:-1]):
+        with contextlib.suppress(OSError, ValueError):
+            return replace(_read_generation(layout, gen), generation=gens[-1], problem=problem)
+    return ControlState(gens[-1], 0, None, None, [], problem)
 
 
 def init_state(layout: RunLayout, desired: int) -> None:
@@ -142,8 +188,10 @@ class ControlWatcher:
         key = command_key(raw, st)
         if key == self._handled:
             return read_state(self.layout)
-        while True:
+        for _ in range(COMMIT_ATTEMPTS):
             state = read_state(self.layout)
+            if state.problem is not None:  # nothing is decided on top of a state we cannot read
+                return state
             if key in state.history:
                 self._handled = key
                 return state
@@ -155,6 +203,8 @@ class ControlWatcher:
                 self._unparsable_since.pop(key, None)
                 return new
             # another supervisor committed this generation first: re-read and check the history again
+        # still losing: a generation we cannot see yet (a cached directory listing); the next poll tries again
+        return state
 
     def _decide(self, raw: bytes, key: str, state: ControlState) -> ControlState | None:
         history = ([*state.history, key])[-HISTORY:]
@@ -186,12 +236,50 @@ def write_command(layout: RunLayout, action: str, count: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- leases
 
+_LEASE_RE = re.compile(r"^(\d{8})\.json$")
+_SLOT_RE = re.compile(r"^slot-(\d{4})$")
+
+# Fractions of ``run.lease_timeout_s`` (T).  Another supervisor can take a slot over only once its lease stood still
+# for T on that supervisor's clock.  The holder renews at least every T/8.  The slot's worker reads the lease every
+# T/8 and stops publishing once it is not its supervisor's any more, or has stood still for T/2 on the worker's clock:
+# at most 3T/4 after the last renewal it saw; it is gone T/8 later, by 7T/8, before a takeover is possible.
+RENEW_FRACTION = 1 / 8
+WATCH_POLL_FRACTION = 1 / 8
+WATCH_STALL_FRACTION = 1 / 2
+WATCH_EXIT_FRACTION = 1 / 8
+
+
+def renew_interval_s(timeout_s: float, heartbeat_interval_s: float) -> float:
+    """How often a supervisor renews its leases: every heartbeat, and never less often than T/8."""
+    return min(heartbeat_interval_s, timeout_s * RENEW_FRACTION)
+
+
+def lease_generations(layout: RunLayout, slot: int) -> list[int]:
+    try:
+        names = os.listdir(layout.lease_dir(slot))
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _LEASE_RE.match(n)))
+
+
+def read_lease(layout: RunLayout, slot: int) -> dict | None:
+    """The newest generation of the slot's lease, with its ``generation``; None for a slot never leased.
+
+    An unreadable newest generation reads as holder None: it stands still, so it turns stale and is taken over.
+    """
+    gens = lease_generations(layout, slot)
+    if not gens:
+        return None
+    rec = read_json_or_none(layout.lease(slot, gens[-1]))
+    if not isinstance(rec, dict):
+        rec = {"slot": slot, "holder": None, "counter": None}
+    return {**rec, "generation": gens[-1]}
+
 
 @dataclass
 class _Observation:
-    counter: int
-    holder: str
-    since: float  # observer's monotonic clock when this (holder, counter) was first seen
+    key: tuple[Any, ...]  # (generation, holder, counter) as last read
+    since: float  # observer's monotonic clock when this key was first seen
 
 
 class Leases:
@@ -201,77 +289,140 @@ class Leases:
         self.layout = layout
         self.holder = holder
         self.timeout_s = timeout_s
+        self.generations: dict[int, int] = {}  # slot -> the generation we hold
         self.counters: dict[int, int] = {}
         self._seen: dict[int, _Observation] = {}
 
     def read(self, slot: int) -> dict | None:
-        rec = read_json_or_none(self.layout.lease(slot))
-        return rec if isinstance(rec, dict) else None
+        return read_lease(self.layout, slot)
 
-    def _record(self, slot: int, counter: int) -> dict:
-        return {"slot": slot, "holder": self.holder, "counter": counter, "host": HOST, "pid": os.getpid()}
+    def _record(self, slot: int, generation: int, counter: int, *, released: bool = False) -> dict:
+        return {
+            "slot": slot,
+            "generation": generation,
+            "holder": self.holder,
+            "counter": counter,
+            "released": released,
+            "host": HOST,
+            "pid": os.getpid(),
+            "written_at": time.time(),
+        }
 
     def is_stale(self, slot: int, rec: dict) -> bool:
-        obs = self._seen.get(slot)
-        now = time.monotonic()
-        if obs is None or obs.counter != rec.get("counter") or obs.holder != rec.get("holder"):
-            self._seen[slot] = _Observation(int(rec.get("counter", 0)), str(rec.get("holder")), now)
+        """True once ``rec`` (generation, holder, counter) has stayed the same for ``timeout_s`` on our clock."""
+        key = (rec.get("generation"), rec.get("holder"), rec.get("counter"))
+        obs, now = self._seen.get(slot), time.monotonic()
+        if obs is None or obs.key != key:
+            self._seen[slot] = _Observation(key, now)
             return False
         return now - obs.since >= self.timeout_s
 
     def try_acquire(self, slot: int) -> bool:
-        """Take a free slot, or a stale one; True when this supervisor now holds it."""
+        """Take a free, released or stale slot; True when this supervisor now holds it."""
         rec = self.read(slot)
         if rec is None:
-            if create_json_exclusive(self.layout.lease(slot), self._record(slot, 1)):
-                self.counters[slot] = 1
-                return True
-            return False
-        if rec.get("holder") == self.holder:
-            self.counters[slot] = int(rec.get("counter", 0))
+            return self._claim(slot, 1)
+        if rec.get("holder") == self.holder and not rec.get("released"):
+            self.generations[slot], self.counters[slot] = rec["generation"], int(rec.get("counter") or 0)
             return self.renew(slot)
-        if not self.is_stale(slot, rec):
-            return False
-        counter = int(rec.get("counter", 0)) + 1
-        write_json_atomic(self.layout.lease(slot), self._record(slot, counter))
-        # two reclaimers may race; the last rename wins and the loser finds out here (or at its next renew)
-        time.sleep(0.05)
-        mine = self.read(slot)
-        if mine is not None and mine.get("holder") == self.holder:
-            self.counters[slot] = counter
-            return True
+        if rec.get("released") or self.is_stale(slot, rec):
+            return self._claim(slot, rec["generation"] + 1)
         return False
 
-    def renew(self, slot: int) -> bool:
-        """Heartbeat a held lease; False (and forgotten) when somebody else took it over."""
-        rec = self.read(slot)
-        if rec is None or rec.get("holder") != self.holder:
-            self.counters.pop(slot, None)
+    def _claim(self, slot: int, generation: int) -> bool:
+        """Exclusive create of exactly ``generation``: of all who try it, one wins; the others hold nothing."""
+        self.layout.lease_dir(slot).mkdir(parents=True, exist_ok=True)
+        if not create_json_exclusive(self.layout.lease(slot, generation), self._record(slot, generation, 1)):
             return False
-        counter = self.counters.get(slot, int(rec.get("counter", 0))) + 1
-        write_json_atomic(self.layout.lease(slot), self._record(slot, counter))
+        self.generations[slot], self.counters[slot] = generation, 1
+        for old in lease_generations(self.layout, slot):
+            if old < generation - 1:  # the one we took over from stays, to say whom we took it from
+                with contextlib.suppress(OSError):
+                    self.layout.lease(slot, old).unlink()
+        return True
+
+    def _superseded(self, slot: int) -> bool:
+        return max(lease_generations(self.layout, slot), default=0) > self.generations[slot]
+
+    def renew(self, slot: int) -> bool:
+        """Heartbeat a held lease; False (and forgotten) when a newer generation took it over."""
+        if slot not in self.generations:
+            return False
+        if self._superseded(slot):
+            self._forget(slot)
+            return False
+        counter = self.counters[slot] + 1
+        gen = self.generations[slot]
+        write_json_atomic(self.layout.lease(slot, gen), self._record(slot, gen, counter))
         self.counters[slot] = counter
         return True
 
     def release(self, slot: int) -> None:
-        rec = self.read(slot)
-        if rec is not None and rec.get("holder") == self.holder:
-            with contextlib.suppress(FileNotFoundError):
-                self.layout.lease(slot).unlink()
+        """Give a held slot back: its generation says ``released``, so the next taker need not wait."""
+        if slot in self.generations and not self._superseded(slot):
+            gen = self.generations[slot]
+            write_json_atomic(
+                self.layout.lease(slot, gen),
+                self._record(slot, gen, self.counters[slot] + 1, released=True),
+            )
+        self._forget(slot)
+
+    def _forget(self, slot: int) -> None:
+        self.generations.pop(slot, None)
         self.counters.pop(slot, None)
 
     def held(self) -> list[int]:
-        return sorted(self.counters)
+        return sorted(self.generations)
+
+
+class LeaseWatch:
+    """A worker's view of its own slot's lease: is it still its supervisor's, and is it still moving?"""
+
+    def __init__(self, layout: RunLayout, slot: int, holder: str, timeout_s: float):
+        self.layout = layout
+        self.slot = slot
+        self.holder = holder
+        self.poll_s = timeout_s * WATCH_POLL_FRACTION
+        self.stall_s = timeout_s * WATCH_STALL_FRACTION
+        self.exit_s = timeout_s * WATCH_EXIT_FRACTION
+        self._key: tuple[Any, ...] | None = None
+        self._since = time.monotonic()
+
+    def check(self) -> str | None:
+        """None while the lease is fine; otherwise the one-line reason why the worker must stop now."""
+        now = time.monotonic()
+        try:
+            rec = read_lease(self.layout, self.slot)
+        except OSError:
+            rec = {"holder": self.holder, "generation": None}  # cannot tell: counts as not moving
+        if rec is None or rec.get("released"):
+            return f"lease of slot {self.slot} was given back by {self.holder}"
+        if rec.get("holder") != self.holder:
+            return (
+                f"lease of slot {self.slot} is now held by {rec.get('holder')} (generation "
+                f"{rec.get('generation')}), not by {self.holder}"
+            )
+        key = (rec.get("generation"), rec.get("counter"))
+        if key != self._key and rec.get("generation") is not None:
+            self._key, self._since = key, now
+            return None
+        if now - self._since >= self.stall_s:
+            return (
+                f"lease of slot {self.slot} not renewed for {self.stall_s:g}s (lease_timeout_s / 2): "
+                f"supervisor {self.holder} is stalled or gone"
+            )
+        return None
 
 
 def all_leases(layout: RunLayout) -> dict[int, dict]:
+    """slot -> the newest generation of every lease that is held (not given back)."""
     out: dict[int, dict] = {}
     try:
         names = os.listdir(layout.leases)
     except FileNotFoundError:
         return out
     for n in names:
-        m = re.match(r"^slot-(\d{4})\.json$", n)
-        if m and isinstance(rec := read_json_or_none(layout.leases / n), dict):
+        m = _SLOT_RE.match(n)
+        if m and (rec := read_lease(layout, int(m.group(1)))) is not None and not rec.get("released"):
             out[int(m.group(1))] = rec
     return out

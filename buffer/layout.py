@@ -7,7 +7,7 @@ Nobody formats a run-directory path by hand anywhere else.  The layout (also doc
       config.json              the resolved run config (single source of truth for every process)
       control.json             written by people (`echo '{"action":"add","count":2}' > RUN/control.json`)
       control/gen-XXXXXXXX.json  durable desired-worker state, one generation per applied/rejected command
-      leases/slot-XXXX.json    worker-slot leases held by node supervisors
+      leases/slot-XXXX/GGGGGGGG.json  worker-slot leases held by node supervisors, one file per lease generation
       shards/tmp/              shards being written (temporaries)
       shards/ready/            complete, published experience shards (Arrow IPC file format)
       shards/quarantine/       shards that failed validation, each with a .reason.json
@@ -67,8 +67,11 @@ class RunLayout:
     def leases(self) -> Path:
         return self.root / "leases"
 
-    def lease(self, slot: int) -> Path:
-        return self.leases / f"slot-{slot:04d}.json"
+    def lease_dir(self, slot: int) -> Path:
+        return self.leases / f"slot-{slot:04d}"
+
+    def lease(self, slot: int, generation: int) -> Path:
+        return self.lease_dir(slot) / f"{generation:08d}.json"
 
     # experience shards
     @property

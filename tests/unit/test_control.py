@@ -1,13 +1,16 @@
-"""control.json parsing, exactly-once application, and slot leases."""
+"""control.json parsing, exactly-once application, a damaged control generation, and slot leases."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import random
 import time
 
 import pytest
 
 from buffer import control
+from buffer.fsio import write_json_atomic
 
 from .buffer_helpers import make_layout
 
@@ -78,6 +81,30 @@ def test_half_written_file_waits_then_is_rejected_and_desired_stays(tmp_path):
     assert st.desired == 4 and "not valid JSON" in st.last_rejection["reason"]
 
 
+def test_a_corrupt_newest_generation_is_reported_not_reverted_and_blocks_commits(tmp_path):
+    layout = make_layout(tmp_path)
+    control.init_state(layout, 1)
+    w = control.ControlWatcher(layout, 8, settle_s=0.0, who="a")
+    _echo(layout, '{"action":"add","count":2}')
+    assert w.poll().desired == 3
+    layout.control_generation(1).write_text('{"desired": 3, "hist')  # the newest generation damaged on disk
+    st = control.read_state(layout)
+    assert st.generation == 1 and st.problem is not None
+    assert "gen-00000001.json" in st.problem and "move it away" in st.problem
+    # a new command waits; each poll returns at once, committing nothing on top of the damaged generation
+    _echo(layout, '{"action":"add","count":1}')
+    for _ in range(3):
+        assert w.poll().problem == st.problem
+    assert sorted(os.listdir(layout.control_dir)) == ["gen-00000000.json", "gen-00000001.json"]
+    # a record that parses but is not a generation is a problem too
+    write_json_atomic(layout.control_generation(1), {"desired": "3", "history": []})
+    assert "field desired" in control.read_state(layout).problem
+    # repaired by moving the file away: the pending command applies on the last valid generation
+    layout.control_generation(1).rename(tmp_path / "gen-1.damaged")
+    st = w.poll()
+    assert st.problem is None and st.generation == 1 and st.desired == 2
+
+
 def test_lease_acquire_renew_release_and_stale_takeover(tmp_path):
     layout = make_layout(tmp_path)
     a = control.Leases(layout, "sup-a", timeout_s=0.3)
@@ -88,11 +115,15 @@ def test_lease_acquire_renew_release_and_stale_takeover(tmp_path):
     assert not b.try_acquire(0)  # counter moved: b starts its observation again
     time.sleep(0.35)
     assert b.try_acquire(0)  # a stopped heart-beating for >= timeout on b's clock
+    assert control.read_lease(layout, 0)["generation"] == 2
     assert not a.renew(0)  # a learns it lost the slot
     assert b.held() == [0] and a.held() == []
+    assert control.all_leases(layout)[0]["holder"] == "sup-b"
     b.release(0)
     assert control.all_leases(layout) == {}
-    assert a.try_acquire(0)
+    assert a.try_acquire(0)  # a released slot is taken at once, as the next generation
+    assert control.read_lease(layout, 0)["generation"] == 3
+    assert control.lease_generations(layout, 0) == [2, 3]  # older generations are cleared away
 
 
 def test_a_live_lease_is_never_taken_however_old_its_wall_clock(tmp_path):
@@ -104,3 +135,76 @@ def test_a_live_lease_is_never_taken_however_old_its_wall_clock(tmp_path):
         time.sleep(0.1)
         assert a.renew(3)
         assert not b.try_acquire(3)
+
+
+class _SlowReclaimer(control.Leases):
+    """A reclaimer that may stall between reading the lease and acting on it (a busy host, a slow mount)."""
+
+    def read(self, slot):
+        rec = super().read(slot)
+        time.sleep(random.uniform(0.0, 0.15))
+        return rec
+
+
+def _race(layout, name, slot, trials, start, done, results):
+    random.seed(name)
+    leases = _SlowReclaimer(layout, name, timeout_s=0.05)
+    for trial in range(trials):
+        leases.try_acquire(slot + trial)  # observes the dead holder's lease
+        start.wait()
+        time.sleep(0.06)
+        won = leases.try_acquire(slot + trial)
+        results.put((trial, name, won, won and leases.renew(slot + trial)))
+        done.wait()
+
+
+def test_racing_reclaimers_of_one_expired_slot_leave_exactly_one_holder(tmp_path):
+    layout = make_layout(tmp_path)
+    racers, trials = 5, 30
+    dead = control.Leases(layout, "dead", timeout_s=1.0)
+    for trial in range(trials):
+        assert dead.try_acquire(trial)
+    ctx = multiprocessing.get_context("fork")
+    start, done, results = ctx.Barrier(racers), ctx.Barrier(racers), ctx.Queue()
+    procs = [
+        ctx.Process(target=_race, args=(layout, f"r{i}", 0, trials, start, done, results))
+        for i in range(racers)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in range(racers * trials)]
+    for p in procs:
+        p.join(timeout=60)
+    for trial in range(trials):
+        winners = [name for t, name, won, still in outcomes if t == trial and won]
+        assert len(winners) == 1, (trial, winners)
+        assert all(still for t, name, won, still in outcomes if t == trial and won)
+        assert control.read_lease(layout, trial)["holder"] == winners[0]
+        assert control.read_lease(layout, trial)["generation"] == 2
+    assert not dead.renew(0)
+
+
+def test_a_worker_watch_stops_on_takeover_release_and_a_stalled_holder(tmp_path):
+    layout = make_layout(tmp_path)
+    sup = control.Leases(layout, "sup-a", timeout_s=0.4)
+    assert sup.try_acquire(0) and sup.try_acquire(1) and sup.try_acquire(2)
+    watches = {k: control.LeaseWatch(layout, k, "sup-a", timeout_s=0.4) for k in range(3)}
+    assert (watches[0].poll_s, watches[0].stall_s, watches[0].exit_s) == (0.05, 0.2, 0.05)
+    for _ in range(6):  # renewed every 0.05s: the stall threshold (0.2s) is never reached
+        assert all(w.check() is None for w in watches.values())
+        sup.renew(0), sup.renew(1), sup.renew(2)
+        time.sleep(0.05)
+    # slot 0: another supervisor's generation appears; slot 1: given back; slot 2: renewals stop
+    other = control.Leases(layout, "sup-b", timeout_s=0.4)
+    assert other._claim(0, control.read_lease(layout, 0)["generation"] + 1)
+    sup.release(1)
+    assert "now held by sup-b" in watches[0].check()
+    assert "given back" in watches[1].check()
+    assert watches[2].check() is None
+    time.sleep(0.25)
+    assert "not renewed for 0.2s" in watches[2].check()
+
+
+def test_renew_interval_is_at_most_an_eighth_of_the_lease_timeout():
+    assert control.renew_interval_s(30.0, 2.0) == 2.0
+    assert control.renew_interval_s(6.0, 2.0) == 0.75
