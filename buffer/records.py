@@ -199,9 +199,6 @@ class SupervisorStatus(StatusRecord):
     workers: dict[str, SupervisedWorker] = Field(default_factory=dict)
     failed_slots: dict[str, str] = Field(default_factory=dict)
     control_generation: int | None = None
-    last_rejection: str | None = None  # the last control command this supervisor saw rejected
-    control_problem: str | None = None  # why the desired count cannot be read, while it cannot
-    last_error: str | None = None  # the last storage error it kept going through
     last_rejection: str | None = None  # why the last control.json command was rejected
     control_problem: str | None = None  # why the newest control generation is not followed (damaged)
     last_error: str | None = (

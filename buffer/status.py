@@ -74,8 +74,9 @@ def backlog(layout: RunLayout) -> Backlog:
 def snapshot(layout: RunLayout) -> dict[str, Any]:
     problems: list[str] = []
     state = read_state(layout)
-    if getattr(state, "problem", None):  # the newest control generation is unreadable
-        problems.append(str(state.problem))
+    control_problem = getattr(state, "problem", None)  # set while the newest control generation is unreadable
+    if control_problem is not None:
+        problems.append(str(control_problem))
     ready = shards.list_ready(layout)
     try:
         plan_steps = sorted(plans.valid_plan_files(layout))
