@@ -1,6 +1,7 @@
 """Benchmark of the trainer step against a bare FSDP2 forward+backward of the same tokens, in the same run.
 
     python -m torch.distributed.run --nproc_per_node=N bench/trainer.py                  # Qwen2.5-1.5B shape
+    python -m torch.distributed.run --nproc_per_node=N bench/trainer.py --lengths longtail
     python bench/trainer.py --preset tiny                                                 # one process, CPU smoke
 
 Builds a randomly initialised Qwen2 with a published model's shapes on the current device (GPU when there is one,
@@ -15,12 +16,21 @@ prompt), then times, one after the other:
 
 Prints per path the step time, tokens/s (all tokens of all ranks), MFU (6 * params * tokens against a bf16 peak of
 989 TFLOP/s per H200; not meaningful on CPU), peak memory, and the ratio trainer tokens/s / bare tokens/s.
+
+``--lengths longtail`` measures what padding would cost instead: response lengths are drawn log-uniformly between
+``--response-min`` and ``--response-max`` (32..4096 by default: as many sequences under 128 tokens as between 1024 and
+4096), after the same ``--prompt-len``, until the step holds as many real tokens as the uniform step
+(``--samples-per-rank`` x ``--seq-len`` per rank).  It prints the padding fraction of one right-padded batch, of the
+length-sorted padded micro-batches (``trainer.packing = false``) and of the packed ones, then times the trainer step
+on the uniform samples, on the long-tailed ones packed and on them padded, and reports real tokens/s and the ratio
+long-tailed packed / uniform (target >= 0.9).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import resource
 import sys
@@ -38,6 +48,7 @@ DEFAULT_SHAPE = {
     "tiny": (4, 128, 32),
     "qwen2.5-1.5b": (8, 2048, 512),
 }  # samples per rank, seq len, prompt len
+LONGTAIL_RESPONSES = {"tiny": (8, 512), "qwen2.5-1.5b": (32, 4096)}  # log-uniform response lengths, by preset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,14 +65,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each path")
     p.add_argument("--steps", type=int, default=5, help="timed steps of each path (the mean is reported)")
     p.add_argument("--bare-adam", action="store_true", help="also time bare fwd+bwd + clip + AdamW")
+    p.add_argument(
+        "--lengths",
+        choices=["uniform", "longtail"],
+        default="uniform",
+        help="uniform: every sample --seq-len tokens, trainer vs bare; longtail: log-uniform response lengths, "
+        "packed vs padded vs the uniform step",
+    )
+    p.add_argument(
+        "--response-min", type=int, default=None, help="longtail: shortest response (default by preset)"
+    )
+    p.add_argument(
+        "--response-max", type=int, default=None, help="longtail: longest response (default by preset)"
+    )
+    p.add_argument(
+        "--padded", action="store_true", help="uniform: time the trainer with trainer.packing = false"
+    )
     args = p.parse_args(argv)
     n, seq, prompt = DEFAULT_SHAPE[args.preset]
     args.samples_per_rank = args.samples_per_rank or n
     args.seq_len = args.seq_len or seq
     args.prompt_len = args.prompt_len if args.prompt_len is not None else prompt
+    lo, hi = LONGTAIL_RESPONSES[args.preset]
+    args.response_min = args.response_min or lo
+    args.response_max = args.response_max or hi
     if not 0 < args.prompt_len < args.seq_len:
         p.error("--prompt-len must be between 1 and --seq-len - 1")
+    if not 0 < args.response_min <= args.response_max:
+        p.error("--response-min must be between 1 and --response-max")
     return args
+
+
+def max_len(args: argparse.Namespace) -> int:
+    return max(args.seq_len, args.prompt_len + args.response_max)
 
 
 def build_lm(preset: str, seq_len: int, device: Any) -> Any:
@@ -74,36 +110,68 @@ def build_lm(preset: str, seq_len: int, device: Any) -> Any:
         return AutoModelForCausalLM.from_config(cfg).float()
 
 
-def make_samples(args: argparse.Namespace, world: int, vocab: int) -> list[Any]:
-    """The same synthetic samples on every rank: groups of 8, full-length responses, plausible logprobs."""
+def _sample(rng: random.Random, i: int, prompt: int, resp: int, vocab: int) -> Any:
+    """A synthetic sample in groups of 8, with plausible behaviour logprobs."""
     from trainer.data import Sample
 
+    return Sample(
+        sample_id=f"s{i}",
+        group_id=f"g{i // 8}",
+        prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
+        response_ids=[rng.randrange(vocab) for _ in range(resp)],
+        response_logprobs=[-rng.uniform(0.01, 3.0) for _ in range(resp)],
+        reward=float(rng.random() < 0.5),
+        policy_version=0,
+    )
+
+
+def make_samples(args: argparse.Namespace, world: int, vocab: int) -> list[Any]:
+    """The same synthetic samples on every rank: full-length responses."""
     rng = random.Random(0)
     resp = args.seq_len - args.prompt_len
-    out = []
-    for i in range(args.samples_per_rank * world):
-        out.append(
-            Sample(
-                sample_id=f"s{i}",
-                group_id=f"g{i // 8}",
-                prompt_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)],
-                response_ids=[rng.randrange(vocab) for _ in range(resp)],
-                response_logprobs=[-rng.uniform(0.01, 3.0) for _ in range(resp)],
-                reward=float(rng.random() < 0.5),
-                policy_version=0,
-            )
-        )
+    return [_sample(rng, i, args.prompt_len, resp, vocab) for i in range(args.samples_per_rank * world)]
+
+
+def make_longtail_samples(args: argparse.Namespace, world: int, vocab: int) -> list[Any]:
+    """Log-uniform response lengths until exactly the uniform step's real token count (the last sample is cut to fit,
+    its prompt too if need be); the same samples on every rank."""
+    rng = random.Random(1)
+    room = args.samples_per_rank * world * args.seq_len
+    lo, hi = math.log(args.response_min), math.log(args.response_max + 1)
+    out: list[Any] = []
+    while room > 0:
+        prompt = min(args.prompt_len, room - 1) if room > 1 else 1
+        resp = min(int(math.exp(rng.uniform(lo, hi))), args.response_max, max(room - prompt, 0))
+        out.append(_sample(rng, len(out), prompt, resp, vocab))
+        room -= prompt + resp
+    return out
+
+
+def padding_fractions(cfg: Any, samples: list[Any], world: int) -> dict[str, float]:
+    """Share of padding in the model's input: one right-padded batch of the step, the trainer's padded micro-batches
+    (length-sorted, within the budget as rows x longest) and its packed ones, over all ranks."""
+    from trainer.data import assign_to_ranks, microbatches
+
+    real = sum(s.length for s in samples)
+    budget = cfg.trainer.max_tokens_per_microbatch
+    out = {"one padded batch": 1 - real / (len(samples) * max(s.length for s in samples))}
+    for name, packed in (("padded micro-batches", False), ("packed micro-batches", True)):
+        seen = 0
+        for mine in assign_to_ranks(samples, world):
+            for mb in microbatches(mine, budget, packed=packed):
+                seen += sum(s.length for s in mb) if packed else len(mb) * max(s.length for s in mb)
+        out[name] = 1 - real / seen
     return out
 
 
 def bare_batches(cfg: Any, samples: list[Any], device: Any) -> list[dict[str, Any]]:
-    """This rank's micro-batches exactly as the trainer splits them, with HF labels on the response tokens."""
+    """This rank's micro-batches exactly as the padded trainer splits them, with HF labels on the response tokens."""
     from trainer import dist as tdist
     from trainer.data import assign_to_ranks, collate, microbatches
 
     mine = assign_to_ranks(samples, tdist.world())[tdist.rank()]
     out = []
-    for mb in microbatches(mine, cfg.trainer.max_tokens_per_microbatch):
+    for mb in microbatches(mine, cfg.trainer.max_tokens_per_microbatch, packed=False):
         b = collate(mb, pad_id=0)
         labels = b["input_ids"].masked_fill(b["response_mask"] == 0, -100)
         out.append({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "labels": labels})
@@ -154,7 +222,7 @@ def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool)
     from trainer.model import build_optimizer, clip_grad_norm_, decoder_layers, shard
 
     device = tdist.current_device()
-    lm = build_lm(args.preset, args.seq_len, device)
+    lm = build_lm(args.preset, max_len(args), device)
     t = cfg.trainer
     shard(
         lm,
@@ -186,7 +254,7 @@ def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> float
 
     device, t = tdist.current_device(), cfg.trainer
     actor = shard_actor(
-        build_lm(args.preset, args.seq_len, device),
+        build_lm(args.preset, max_len(args), device),
         device,
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
@@ -204,59 +272,94 @@ def report(name: str, step_s: float, tokens: int, params: int, world: int, on_gp
         if on_gpu
         else "MFU n/a (CPU)"
     )
-    print(f"{name:18s} {step_s:8.3f} s/step  {tok_s / 1e3:9.2f}k tok/s  {mfu}  {peak_memory()}", flush=True)
+    print(f"{name:26s} {step_s:8.3f} s/step  {tok_s / 1e3:9.2f}k tok/s  {mfu}  {peak_memory()}", flush=True)
     return tok_s
+
+
+def make_config(args: argparse.Namespace, packing: bool) -> Any:
+    from buffer.config import ShardRLConfig
+
+    trainer = {
+        "max_tokens_per_microbatch": args.microbatch_tokens,
+        "activation_checkpointing": not args.no_activation_checkpointing,
+        "param_dtype": args.param_dtype,
+        "packing": packing,
+    }
+    return ShardRLConfig.model_validate({"reward": {"function": "max_digit"}, "trainer": trainer})
+
+
+Timed = tuple[str, list[Any], Callable[[], float]]
+
+
+def uniform_paths(args: argparse.Namespace, vocab: int, world: int) -> list[Timed]:
+    cfg = make_config(args, packing=not args.padded)
+    samples = make_samples(args, world, vocab)
+    paths: list[Timed] = [("bare fwd+bwd", samples, lambda: run_bare(args, cfg, samples, False))]
+    if args.bare_adam:
+        paths.append(("bare fwd+bwd+adam", samples, lambda: run_bare(args, cfg, samples, True)))
+    paths.append(("trainer step", samples, lambda: run_trainer(args, cfg, samples)))
+    return paths
+
+
+def longtail_paths(args: argparse.Namespace, vocab: int, world: int) -> list[Timed]:
+    packed, padded = make_config(args, packing=True), make_config(args, packing=False)
+    uniform, longtail = make_samples(args, world, vocab), make_longtail_samples(args, world, vocab)
+    from trainer import dist as tdist
+
+    if tdist.is_main():
+        lengths = sorted(s.length for s in longtail)
+        print(
+            f"longtail: {len(longtail)} samples, responses log-uniform {args.response_min}..{args.response_max}, "
+            f"lengths min {lengths[0]} median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
+            f"uniform: {len(uniform)} x {args.seq_len}",
+            flush=True,
+        )
+        for name, frac in padding_fractions(packed, longtail, world).items():
+            print(f"padding fraction, {name:22s} {100 * frac:5.1f}%", flush=True)
+    return [
+        ("trainer step, uniform", uniform, lambda: run_trainer(args, packed, uniform)),
+        ("trainer step, longtail packed", longtail, lambda: run_trainer(args, packed, longtail)),
+        ("trainer step, longtail padded", longtail, lambda: run_trainer(args, padded, longtail)),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from buffer.config import ShardRLConfig
     from trainer import dist as tdist
     from trainer.model import resolve_param_dtype
 
     device = tdist.init()
     world, on_gpu = tdist.world(), device.type == "cuda"
-    ac = not args.no_activation_checkpointing
-    cfg = ShardRLConfig.model_validate(
-        {
-            "trainer": {
-                "max_tokens_per_microbatch": args.microbatch_tokens,
-                "activation_checkpointing": ac,
-                "param_dtype": args.param_dtype,
-            }
-        }
-    )
     vocab = PRESETS[args.preset]["vocab_size"]
-    samples = make_samples(args, world, vocab)
-    tokens = sum(s.length for s in samples)
     params = sum(p.numel() for p in build_lm(args.preset, args.seq_len, "meta").parameters())
     if tdist.is_main():
         dtype = resolve_param_dtype(args.param_dtype, device)
         print(
             f"preset {args.preset}: {params / 1e6:.1f}M params, {world} rank(s) on {device.type}, compute {dtype}, "
-            f"activation checkpointing {'on' if ac else 'off'}; {args.samples_per_rank} x {args.seq_len} tokens "
-            f"per rank ({args.prompt_len} prompt), micro-batches of <= {args.microbatch_tokens} tokens; "
-            f"mean of {args.steps} steps after {args.warmup}",
+            f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}; "
+            f"{args.samples_per_rank} x {args.seq_len} real tokens per rank ({args.prompt_len} prompt), "
+            f"micro-batches of <= {args.microbatch_tokens} tokens; mean of {args.steps} steps after {args.warmup}",
             flush=True,
         )
+    paths = (longtail_paths if args.lengths == "longtail" else uniform_paths)(args, vocab, world)
     results = {}
-    paths: list[tuple[str, Callable[[], float]]] = [
-        ("bare fwd+bwd", lambda: run_bare(args, cfg, samples, False))
-    ]
-    if args.bare_adam:
-        paths.append(("bare fwd+bwd+adam", lambda: run_bare(args, cfg, samples, True)))
-    paths.append(("trainer step", lambda: run_trainer(args, cfg, samples)))
-    for name, fn in paths:
+    for name, samples, fn in paths:
         reset_memory()
         step_s = fn()
         if tdist.is_main():
-            results[name] = report(name, step_s, tokens, params, world, on_gpu)
+            results[name] = report(name, step_s, sum(s.length for s in samples), params, world, on_gpu)
         torch.manual_seed(0)
     if tdist.is_main():
-        ratio = results["trainer step"] / results["bare fwd+bwd"]
-        print(f"trainer/bare tokens/s ratio {ratio:.3f} (target >= 0.9)", flush=True)
+        if args.lengths == "longtail":
+            ratio = results["trainer step, longtail packed"] / results["trainer step, uniform"]
+            gain = results["trainer step, longtail packed"] / results["trainer step, longtail padded"]
+            print(f"longtail packed / uniform real tokens/s {ratio:.3f} (target >= 0.9)", flush=True)
+            print(f"longtail packed / longtail padded real tokens/s {gain:.2f}x", flush=True)
+        else:
+            ratio = results["trainer step"] / results["bare fwd+bwd"]
+            print(f"trainer/bare tokens/s ratio {ratio:.3f} (target >= 0.9)", flush=True)
     tdist.teardown()
 
 

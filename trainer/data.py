@@ -240,7 +240,8 @@ def collate(batch: list[Sample], pad_id: int, *, packed: bool = False) -> dict[s
 
     Packed, it adds the same tokens as one row without padding: ``packed_ids`` and ``packed_positions`` [1,N]
     (N real tokens; positions restart at 0 for each sequence), ``packed_index`` [N] (where each packed token sits in
-    the flattened [B*T] layout) and ``packed_lens`` [B'] (the lengths of the non-empty sequences, kept on the host).
+    the flattened [B*T] layout), ``packed_lens`` [S] (the lengths of the S non-empty sequences, kept on the host) and
+    ``packed_cu_seqlens`` [S+1] int32 (where each sequence starts, then N).
     """
     import torch
 
@@ -276,6 +277,7 @@ def collate(batch: list[Sample], pad_id: int, *, packed: bool = False) -> dict[s
         out["packed_positions"] = (attn.cumsum(1) - 1)[real].unsqueeze(0)
         out["packed_index"] = real.flatten().nonzero().squeeze(1)
         out["packed_lens"] = lens[lens > 0]
+        out["packed_cu_seqlens"] = torch.cat([lens.new_zeros(1), out["packed_lens"].cumsum(0)]).int()
     return out
 
 
