@@ -84,7 +84,7 @@ def shardrl(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
 # --------------------------------------------------------------------------------------------- control.json
 
 
-def _write(raw: bytes) -> Callable[[Path], None]:
+def _write(raw: bytes) -> Callable[[Path], Any]:
     return lambda p: p.write_bytes(raw)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from buffer import plans, shards, weights
-from buffer.control import ControlWatcher, Leases, init_state, read_state, write_command
+from buffer.control import ControlWatcher, Leases, init_state, lease_generations, read_state, write_command
 from buffer.layout import RunLayout
 from buffer.shards import ShardWriter
 from tests.unit.buffer_helpers import sample
@@ -135,14 +135,14 @@ def test_fault_reaches_the_application(ffs: FaultFS, layout: RunLayout, rule: di
             target.read_bytes()
             outcomes.append("ok")
         except OSError as e:
-            outcomes.append(errno.errorcode[e.errno])
+            outcomes.append(errno.errorcode.get(e.errno or 0, str(e)))
     expected = {"ESTALE": "ESTALE", "EIO": "EIO"}.get(rule.get("errno", ""), "ENOENT")
     assert outcomes == [expected, "ok", "ok"]
 
 
 def test_late_names_and_stale_attributes_reach_the_application(ffs: FaultFS, layout: RunLayout) -> None:
     ffs.set(
-        {"kind": "late_names", "path": under(layout, "late"), "seconds": 1.0},
+        {"kind": "late_names", "path": under(layout, "late"), "seconds": 2.0},
         {"kind": "stale_attr", "path": under(layout, "grows"), "seconds": 60},
     )
     (layout.root / "late").write_bytes(b"x")
@@ -272,7 +272,7 @@ def test_shard_unreadable_for_a_while_is_not_quarantined(ffs: FaultFS, layout: R
 
 
 def test_shard_visible_late_is_read_once_visible(ffs: FaultFS, layout: RunLayout) -> None:
-    ffs.set({"kind": "late_names", "path": under(layout, "shards/ready/*"), "seconds": 1.0})
+    ffs.set({"kind": "late_names", "path": under(layout, "shards/ready/*"), "seconds": 2.0})
     path = writer_with(layout).flush()
     assert path is not None
     assert shards.list_ready(layout) == []  # the lookup cache hides it: only latency
@@ -331,7 +331,7 @@ def test_plan_read_persistent_error_is_raised_not_skipped(ffs: FaultFS, layout: 
 def test_claim_does_not_fence_out_a_plan_it_cannot_see_yet(ffs: FaultFS, layout: RunLayout) -> None:
     old = plans.PlanLog.claim(layout)
     old.write_plan(1, ["s"], ["a"])
-    ffs.set({"kind": "late_names", "path": under(layout, "plans/step-*"), "seconds": 1.5})
+    ffs.set({"kind": "late_names", "path": under(layout, "plans/step-*"), "seconds": 3.0})
     old.write_plan(2, ["s"], ["b"])  # recorded (and maybe trained and checkpointed) before the crash
     assert 2 not in plans.valid_plans(layout)  # the restarted trainer's node does not see it yet
     plans.PlanLog.claim(layout)
@@ -402,7 +402,7 @@ def test_latest_persistently_unreadable_is_an_error_not_version_0(ffs: FaultFS, 
 
 
 def test_version_visible_late_is_refused_then_loaded(ffs: FaultFS, layout: RunLayout) -> None:
-    ffs.set({"kind": "late_names", "path": under(layout, "weights/v*"), "seconds": 1.0})
+    ffs.set({"kind": "late_names", "path": under(layout, "weights/v*"), "seconds": 2.0})
     weights.commit_version(layout, 1, stage(layout, 1), step=1, dtype="float32")
     assert weights.latest_version(layout) == 1  # LATEST is seen before the directory it names
     with pytest.raises(weights.WeightsError) as e:
@@ -495,7 +495,7 @@ def test_control_generation_visible_late_is_applied_once_across_supervisors(
 ) -> None:
     control_layout(layout)
     a, b = watcher(layout, "sup-a"), watcher(layout, "sup-b")
-    ffs.set({"kind": "late_names", "path": under(layout, "control/gen-*"), "seconds": 1.5})
+    ffs.set({"kind": "late_names", "path": under(layout, "control/gen-*"), "seconds": 2.5})
     write_command(layout, "add", 2)
     assert a.poll().desired == 3
     b.poll()  # b's node cannot see generation 1 yet: it must not apply the command a second time
@@ -545,11 +545,11 @@ def test_lease_renew_survives_transient_errors(ffs: FaultFS, layout: RunLayout) 
 
 def test_lease_visible_late_is_not_taken_twice(ffs: FaultFS, layout: RunLayout) -> None:
     # the generation files, not the slot directory: a node sees the directories it made itself
-    ffs.set({"kind": "late_names", "path": under(layout, "leases/*/0*.json"), "seconds": 1.0})
+    ffs.set({"kind": "late_names", "path": under(layout, "leases/*/0*.json"), "seconds": 2.0})
     a, b = Leases(layout, "sup-a", timeout_s=60), Leases(layout, "sup-b", timeout_s=60)
     assert a.try_acquire(0)
     assert not b.try_acquire(0)  # b cannot see a's lease yet: the exclusive create still stops it
-    time.sleep(1.1)
+    wait_for(lambda: lease_generations(layout, 0))
     assert a.renew(0) and not b.try_acquire(0)
     assert a.held() == [0] and b.held() == []
 
