@@ -12,6 +12,15 @@ else CPU), shards it with FSDP2 like the trainer does, and times, in the same ru
 
 Prints each time (best of ``--repeat``) and the ratios publish/raw and naive/raw, and checks that the two paths
 wrote the same tensors.
+
+``--lora RANK`` puts LoRA adapters of that rank on the model (the trainer's ``trainer.lora.apply_lora``: base frozen
+in the compute dtype) and times, next to raw, the two versions a LoRA run publishes:
+
+- adapter: ``publish_weights(lora=...)``, the adapter gathered to rank 0 and written in peft's format;
+- full:    ``publish_weights(lora=..., merged=True)``, base + B @ A merged per shard and written by all ranks (plus
+           the adapter), what every ``model.lora.merge_every`` versions and the end of a run cost;
+
+and prints full/adapter and the sizes.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=2, help="timed repetitions of each path (best is reported)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--bucket-mib", type=int, default=512, help="publish exchange bucket size")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK", help="time adapter publishes of this rank")
     return p.parse_args(argv)
 
 
@@ -128,10 +138,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)  # the same weights on every rank before sharding
     with torch.device(device):
         lm = AutoModelForCausalLM.from_config(cfg).float()
+    lora = None
+    if args.lora:
+        from buffer.config import LoraConfig
+        from trainer.lora import maybe_lora
+
+        lora = LoraConfig(rank=args.lora)
+        maybe_lora(lm, lora, "auto", device, "--lora")
     actor = shard_actor(lm, device)
     n_params = sum(p.numel() for p in actor.parameters())
     dtype = PUBLISH_DTYPES[args.dtype]
-    nbytes = sum(p.numel() for p in actor.parameters()) * dtype.itemsize
+    nbytes = (
+        sum(p.numel() for p in actor.parameters() if not p.requires_grad or lora is None) * dtype.itemsize
+    )
     if me == 0:
         print(
             f"preset {args.preset}: {n_params / 1e6:.1f}M params, {nbytes / 2**30:.2f} GiB as {args.dtype}, "
@@ -151,6 +170,9 @@ def main(argv: list[str] | None = None) -> None:
             bucket_bytes=args.bucket_mib << 20,
         )
 
+    if lora is not None:
+        lora_bench(actor, layout, args, lora, tied, src, raw_file, nbytes)
+        return
     publish(1)  # warm-up: communicators, pinned buffers, code paths
     times: dict[str, list[float]] = {"raw": [], "publish": [], "naive": []}
     for r in range(args.repeat):
@@ -173,6 +195,57 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         shutil.rmtree(scratch, ignore_errors=True)
+    tdist.teardown()
+
+
+def lora_bench(actor, layout, args, lora, tied: bool, src: Path, raw_file: Path, nbytes: int) -> None:  # type: ignore[no-untyped-def]
+    """Adapter and merged full publishes of the same LoRA model, best of ``--repeat`` each, next to raw."""
+    from buffer.weights import garbage_collect
+    from trainer import dist as tdist
+    from trainer.publish import publish_weights
+
+    me = tdist.rank()
+    adapter_bytes = sum(p.numel() for p in actor.parameters() if p.requires_grad) * (
+        2 if args.dtype != "float32" else 4
+    )
+
+    def publish(v: int, merged: bool) -> None:
+        publish_weights(
+            actor,
+            layout,
+            v,
+            v,
+            dtype=args.dtype,
+            tied=tied,
+            src_model_dir=src,
+            bucket_bytes=args.bucket_mib << 20,
+            lora=lora,
+            merged=merged,
+        )
+
+    publish(1, False)  # warm-up of both paths
+    publish(2, True)
+    v = 3
+    times: dict[str, list[float]] = {"raw": [], "adapter": [], "full": []}
+    for _ in range(args.repeat):
+        times["raw"].append(timed(lambda: raw_write(raw_file, nbytes) if me == 0 else None))
+        times["adapter"].append(timed(lambda v=v: publish(v, False)))
+        times["full"].append(timed(lambda v=v: publish(v + 1, True)))
+        v += 2
+        if me == 0:
+            garbage_collect(layout, keep=2, in_use=[])
+    if me == 0:
+        best = {k: min(t) for k, t in times.items()}
+        sizes = {"raw": nbytes, "adapter": adapter_bytes, "full": nbytes + adapter_bytes}
+        for k in ("raw", "adapter", "full"):
+            runs = " ".join(f"{t:.3f}" for t in times[k])
+            print(f"{k:8s} {best[k]:7.3f}s  {sizes[k] / 2**20:10.1f} MiB   runs: {runs}")
+        print(
+            f"lora rank {args.lora}: full/adapter {best['full'] / best['adapter']:.1f}   "
+            f"adapter/raw {best['adapter'] / best['raw']:.3f}   bytes full/adapter {sizes['full'] / sizes['adapter']:.0f}",
+            flush=True,
+        )
+        shutil.rmtree(args.dir / args.preset, ignore_errors=True)
     tdist.teardown()
 
 

@@ -55,6 +55,57 @@ class RunConfig(_Section):
     )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class AdapterConfig(_Section):
+    """LoRA adapters on a frozen base: only the low-rank adapters train (rank 0 = off, every weight trains)."""
+
+    rank: int = Field(
+        0,
+        ge=0,
+        le=512,
+        description="LoRA rank r; 0 = no adapters (full fine-tuning), e.g. 8 or 16 turns them on.",
+    )
+    alpha: float = Field(
+        16.0, gt=0, description="LoRA alpha: the adapter's update B @ A is scaled by alpha / rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapters' input; above 0 the trainer's logprob passes become random.",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="Names of the linear layers that get adapters (the last component of the module name).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+class LoraConfig(AdapterConfig):
+    """LoRA on the actor: each weight version is an adapter directory (peft format) on the unchanged base."""
+
+    merge_every: int = Field(
+        0,
+        ge=0,
+        description="Also publish a merged full-weight version (base + adapter, with the adapter inside) every N "
+        "versions; 0 = only at the end of a trainer run.",
+    )
+
+    @model_validator(mode="after")
+    def _merge_needs_adapters(self) -> LoraConfig:
+        if self.merge_every > 0 and not self.enabled:
+            raise ValueError(
+                f"merge_every ({self.merge_every}) needs rank > 0: without adapters every version is full"
+            )
+        return self
+
+
 class ModelConfig(_Section):
     """The base model (actor) and its tokenizer."""
 
@@ -72,6 +123,7 @@ class ModelConfig(_Section):
     tiny_init_std: float = Field(
         0.02, gt=0, description="Initializer std of the built-in tiny model (`tiny` / `tiny-tied` only)."
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class DataConfig(_Section):
@@ -390,6 +442,10 @@ class TrainerConfig(_Section):
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk when computing logprobs/entropy.")
     critic_path: str | None = Field(None, description="PPO critic base; default a copy of the actor base.")
     critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
+    critic_lora: AdapterConfig = Field(
+        default_factory=AdapterConfig,
+        description="LoRA on the critic's base (rank 0 = the whole critic trains).",
+    )
     eval_every: int = Field(0, ge=0, description="Greedy eval of the demo task every N steps (0 = off).")
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
 

@@ -9,6 +9,10 @@ A publisher killed at any point leaves LATEST on the previous complete version.
 Reading (worker side): ``latest_version`` reads the small pointer file (cheap to poll on NFS), ``verify_version``
 checks the manifest against the files (sizes always, checksums optionally), so a worker never loads a half-published
 or damaged version.  LATEST and the manifest are ``records.LatestPointer`` / ``records.WeightsManifest``.
+
+A version is full HF weights or, with LoRA (``model.lora.rank`` > 0), a peft adapter directory for the unchanged base
+model; its manifest names the base and ``base_model_hash`` of it, which a worker compares with its own base before it
+applies the adapter.
 """
 
 from __future__ import annotations
@@ -38,6 +42,25 @@ class WeightVersion:
     path: Path
     step: int
     dtype: str
+    kind: str = "full"  # "full" | "adapter"
+    adapter: Path | None = None  # the peft adapter directory of this version, if it has one
+    base_sha256: str | None = None  # base_model_hash of the base the adapter applies to
+
+
+def base_model_hash(model_dir: Path) -> str:
+    """A cheap fingerprint of a base model: sha256 over its config.json bytes and the names and sizes of its
+    safetensors files (and their index).  Reads no weight bytes: it tells a base swapped under a run's path, or a
+    worker on another base, from the trainer's base, without hashing gigabytes on every worker start."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    try:
+        h.update(b"config.json\0" + (model_dir / "config.json").read_bytes())
+    except FileNotFoundError:
+        raise WeightsError(f"{model_dir / 'config.json'}: missing; not an HF base model directory") from None
+    for p in sorted(model_dir.iterdir()):
+        if p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json"):
+            h.update(f"\0{p.name}\0{p.stat().st_size}".encode())
+    return h.hexdigest()
 
 
 def staging_dir(layout: RunLayout, version: int) -> Path:
@@ -63,10 +86,15 @@ def commit_version(
     step: int,
     dtype: str,
     file_sha256: dict[str, str] | None = None,
+    kind: str = "full",
+    adapter: str | None = None,
+    base_model: str | None = None,
+    base_sha256: str | None = None,
 ) -> WeightVersion:
     """Seal ``staging`` as version ``version``: manifest last, rename, then LATEST.
 
     ``file_sha256`` lets writers pass digests they computed while writing; missing ones are computed here.
+    ``kind``, ``adapter``, ``base_model`` and ``base_sha256`` go into the manifest (``records.WeightsManifest``).
     """
     known = file_sha256 or {}
     files = {}
@@ -78,7 +106,22 @@ def commit_version(
             files[rel] = ManifestFile(size=p.stat().st_size, sha256=known.get(rel) or sha256_file(p))
     if not any(name.endswith(".safetensors") for name in files):
         raise WeightsError(f"{staging}: no *.safetensors file to publish")
-    manifest = WeightsManifest(version=version, step=step, dtype=dtype, created_at=time.time(), files=files)
+    if adapter is not None and not (staging / adapter / "adapter_config.json").is_file():
+        raise WeightsError(f"{staging / adapter}: no adapter_config.json in the adapter directory")
+    manifest = WeightsManifest.validated(
+        {
+            "version": version,
+            "step": step,
+            "dtype": dtype,
+            "created_at": time.time(),
+            "files": files,
+            "kind": kind,
+            "adapter": adapter,
+            "base_model": base_model,
+            "base_sha256": base_sha256,
+        },
+        staging / MANIFEST,
+    )
     write_record(staging / MANIFEST, manifest)
     final = layout.weight_version(version)
     if final.exists():
@@ -86,7 +129,7 @@ def commit_version(
     staging.rename(final)
     fsync_dir(layout.weights)
     write_latest(layout, version, step)
-    return WeightVersion(version, final, step, dtype)
+    return _weight_version(final, manifest)
 
 
 def write_latest(layout: RunLayout, version: int, step: int) -> None:
@@ -129,7 +172,14 @@ def verify_version(layout: RunLayout, version: int, *, checksums: bool = False) 
             raise WeightsError(f"{f}: size {size} != manifest size {meta.size}")
         if checksums and sha256_file(f) != meta.sha256:
             raise WeightsError(f"{f}: sha256 does not match the manifest")
-    return WeightVersion(version, path, manifest.step, manifest.dtype)
+    return _weight_version(path, manifest)
+
+
+def _weight_version(path: Path, manifest: WeightsManifest) -> WeightVersion:
+    adapter = path / manifest.adapter if manifest.adapter is not None else None
+    return WeightVersion(
+        manifest.version, path, manifest.step, manifest.dtype, manifest.kind, adapter, manifest.base_sha256
+    )
 
 
 def read_latest(layout: RunLayout, *, checksums: bool = False) -> WeightVersion | None:

@@ -207,6 +207,7 @@ class RolloutWorker:
             seed=derive_seed(cfg.run.seed, "engine", self.slot),
             max_model_len=max_model_len(self.run),
             vllm_options=vllm_options(self.run),
+            lora_rank=cfg.model.lora.rank,
         )
         self.install_signal_handlers()  # an engine library may have replaced them while starting
         threading.Thread(target=self._watch_engine, args=(_child_pids(),), daemon=True, name="engine").start()

@@ -56,6 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--engine", choices=["vllm", "hf"], default=None)
     s.add_argument("--task", choices=["max_digit", "mod_add"], default="max_digit")
     s.add_argument(
+        "--lora",
+        type=int,
+        nargs="?",
+        const=8,
+        default=0,
+        metavar="RANK",
+        help="train LoRA adapters of rank RANK (default 8) on the frozen base instead of every weight",
+    )
+    s.add_argument(
         "--steps", type=int, default=None, help="trainer steps (default from the packaged demo.toml)"
     )
     s = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots")

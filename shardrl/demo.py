@@ -34,6 +34,7 @@ from .report import PlotsUnavailable, write_report
 from .runs import init_run
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
+LORA_LR = "1e-2"  # `--lora`: the learning rate of the adapters (the full model's is demo.toml's trainer.lr)
 
 
 class Evaluator(threading.Thread):
@@ -55,7 +56,13 @@ class Evaluator(threading.Thread):
         published = weights.verify_version(self.job.layout, version) if version else None
         path = published.path if published else self.job.model_dir
         tok = AutoTokenizer.from_pretrained(str(self.job.tokenizer_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        adapter = published.adapter if published and published.kind == "adapter" else None
+        base = self.job.model_dir if adapter else path
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+        if adapter:  # a LoRA version: the adapter on the run's base
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(adapter)).eval()
         prompts = task_prompts(self.job.config.data.task)
         tok.padding_side = "left"
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -158,6 +165,8 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
         extra.update({"data.task": args.task, "reward.function": args.task})
     if args.workers > 1:
         extra["run.max_workers"] = str(max(args.workers, 2))
+    if args.lora:  # adapters on the frozen random base need a larger step than full fine-tuning
+        extra = {"model.lora.rank": str(args.lora), "trainer.lr": LORA_LR, **extra}
     return load_toml(DEMO_CONFIG, extra)
 
 

@@ -4,7 +4,8 @@
 
 - DCP's files (``.metadata``, ``__R_0.distcp``...): for each part (``actor``, optionally ``critic``) the model and
   optimizer state from ``get_state_dict``, saved sharded by every rank.  DCP reshards on load, so a checkpoint saved
-  at one world size loads at another.
+  at one world size loads at another.  Only what trains is saved: with LoRA the adapters (and the critic's value
+  head) and their optimizer state, not the frozen base, which is reloaded from the base model.
 - ``trainer_state.json`` (rank 0): step, world size, LR-scheduler states, the trainer's extra state (next weight
   version, counters...) and every rank's RNG states.  JSON, so resuming unpickles nothing but DCP's own files.
 - ``COMMITTED`` (rank 0, written last, after a barrier): the commit record.  A directory without it is an
@@ -45,26 +46,53 @@ class CheckpointError(RuntimeError):
 
 
 class _ModelAndOptimizer(Stateful):
-    """One model and its optimizer as DCP sees them (sharded state dicts with HF-like FQNs)."""
+    """One model and its optimizer as DCP sees them (sharded state dicts with HF-like FQNs); a model with frozen
+    parameters (a LoRA base) contributes only its trainable ones."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
+        # remove_duplicate=False: a tied LM head is a second name of the frozen embedding, and must go too
+        self.frozen = {
+            _plain(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+        }
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=bool(self.frozen), strict=not self.frozen)
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        if self.frozen:
+            model_sd = {k: v for k, v in model_sd.items() if _plain(k) not in self.frozen}
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(
+        result = set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optim"],
+            options=self._options(),
         )
+        # Not strict when the base is frozen (it is not in the checkpoint): every trainable key must still load.
+        missing = [k for k in result.missing_keys if _plain(k) not in self.frozen]
+        if missing or result.unexpected_keys:
+            raise CheckpointError(
+                f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
+            )
+
+
+_WRAPPERS = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
+
+
+def _plain(name: str) -> str:
+    """A parameter name without wrapper parts, as state-dict keys have it."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPERS)
 
 
 def _parts(model: Models, optimizer: Optimizers, scheduler: Schedulers) -> dict[str, tuple[Any, Any, Any]]:

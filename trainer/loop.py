@@ -31,6 +31,7 @@ from buffer.status import BacklogCounter
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
 from trainer.data import Planner, Sample
+from trainer.lora import AdaptersOff
 from trainer.metrics import setup_logging, step_line
 from trainer.model import build_actor, build_critic, build_optimizer, build_reference, build_scheduler
 from trainer.publish import publish_weights
@@ -49,6 +50,7 @@ class TrainState:
     version: int = 0  # weight version the trainer's weights were last published as
     samples_trained: int = 0
     dropped_stale: int = 0
+    merged_step: int = 0  # LoRA: the step of the last merged full-weight version
     # [epoch, first step, last step] per incarnation whose training these weights carry: an audit trail that
     # shows every step 1..step was trained exactly once on the way to this state.
     lineage: list[list[int]] = field(default_factory=list)
@@ -128,13 +130,17 @@ def build_models(run: Run) -> Models:
         "schedule": t.schedule,
         "total_steps": t.total_steps,
     }
-    actor = build_actor(run.model_dir, device, **sharding)
+    actor = build_actor(run.model_dir, device, **sharding, lora=cfg.model.lora)
     opt = build_optimizer(actor, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     models = Models(actor, opt, build_scheduler(opt, **schedule), kl=kl_controller(cfg))
-    if cfg.algorithm.kl_coef > 0:
-        models.reference = build_reference(run.model_dir, device, param_dtype=t.param_dtype)
+    if cfg.algorithm.kl_coef > 0:  # with LoRA: the actor with its adapters off, no second base
+        models.reference = (
+            AdaptersOff(actor)
+            if cfg.model.lora.enabled
+            else build_reference(run.model_dir, device, param_dtype=t.param_dtype)
+        )
     if cfg.algorithm.name == "ppo":
-        models.critic = build_critic(t.critic_path or run.model_dir, device, **sharding)
+        models.critic = build_critic(t.critic_path or run.model_dir, device, **sharding, lora=t.critic_lora)
         models.critic_optimizer = build_optimizer(
             models.critic, lr=t.critic_lr, betas=t.betas, weight_decay=t.weight_decay
         )
@@ -288,11 +294,15 @@ def check_fence(plan_log: PlanLog | None) -> None:
     on_rank0(lambda: plan_log.check_not_fenced() if plan_log is not None else None)
 
 
-def publish(run: Run, models: Models, state: TrainState) -> float:
+def publish(run: Run, models: Models, state: TrainState, final: bool = False) -> float:
+    """Publish the next version: full weights, or with LoRA the adapter, merged into full weights every
+    model.lora.merge_every versions and when ``final`` (the end of this trainer run)."""
     t0 = time.monotonic()
     cfg = run.config
     version = state.version + 1
     tied = bool(getattr(models.actor.config, "tie_word_embeddings", False))
+    lora = cfg.model.lora if cfg.model.lora.enabled else None
+    merged = lora is not None and (final or (lora.merge_every > 0 and version % lora.merge_every == 0))
     publish_weights(
         models.actor,
         run.layout,
@@ -301,8 +311,11 @@ def publish(run: Run, models: Models, state: TrainState) -> float:
         dtype=cfg.model.dtype,
         tied=tied,
         src_model_dir=run.model_dir,
+        lora=lora,
+        merged=merged,
     )
     state.version = version
+    state.merged_step = state.step if merged else state.merged_step
     if tdist.is_main():
         weights.garbage_collect(
             run.layout, cfg.run.keep_weight_versions, heartbeats.versions_in_use(run.layout)
@@ -341,12 +354,15 @@ def run_steps(
         done, step_s = done + 1, time.monotonic() - t0
         if step % t.publish_every == 0:
             check_fence(plan_log)
-            m["publish_s"] = publish(run, models, state)
+            m["publish_s"] = publish(run, models, state, final=done == t.max_steps)
         if step % t.save_every == 0:
             check_fence(plan_log)
             save(run, models, state)
             last_saved = step
         report.step(step, step_metrics(batch, m, version, wait_s, step_s), state, feeder.counts())
+    if run.config.model.lora.enabled and done and state.merged_step != state.step:
+        check_fence(plan_log)  # a LoRA run ends on merged full weights
+        publish(run, models, state, final=True)
     if state.step != last_saved:
         check_fence(plan_log)
         save(run, models, state)

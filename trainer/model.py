@@ -541,10 +541,14 @@ def build_actor(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    lora: Any = None,
 ) -> Actor:
-    """The trainable actor, sharded over all ranks, in train mode."""
+    """The trainable actor, sharded over all ranks, in train mode; ``lora`` (``model.lora``) with rank > 0 puts
+    LoRA adapters on a frozen base (``trainer/lora.py``)."""
+    from trainer.lora import maybe_lora
+
     return shard_actor(
-        load_causal_lm(model_dir),
+        maybe_lora(load_causal_lm(model_dir), lora, param_dtype, device, "model.lora"),
         device,
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
@@ -642,9 +646,13 @@ def build_critic(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    lora: Any = None,
 ) -> Critic:
-    """A critic on a copy of the base model in ``model_dir`` (its LM head dropped), sharded over all ranks."""
-    lm: Any = load_causal_lm(model_dir)
+    """A critic on a copy of the base model in ``model_dir`` (its LM head dropped), sharded over all ranks;
+    ``lora`` (``trainer.critic_lora``) with rank > 0: LoRA adapters on its frozen base, the value head trains."""
+    from trainer.lora import maybe_lora
+
+    lm: Any = maybe_lora(load_causal_lm(model_dir), lora, param_dtype, device, "trainer.critic_lora")
     base = lm.base_model
     critic = Critic(base, int(lm.config.hidden_size))
     del lm

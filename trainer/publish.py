@@ -13,6 +13,14 @@ Called on every rank (``publish_weights``); nothing is gathered whole on one ran
    (from pinned host memory on GPU) while the ranks exchange bucket k + 1.
 4. Rank 0 writes the index, ``config.json`` (dtype set to the publish dtype), the generation config and tokenizer
    files, and calls ``buffer.weights.commit_version`` (manifest last, rename, LATEST) with every rank's sha256.
+
+With LoRA (``trainer/lora.py``) a version is the adapter alone: ``adapter_config.json`` and
+``adapter_model.safetensors`` under peft's names, gathered to rank 0 (a few MB to a few hundred MB: not worth the
+parallel writer), committed through the same staging / manifest-last / LATEST protocol with ``kind = adapter``, the
+base model's path and ``buffer.weights.base_model_hash``.  A *merged* version (``model.lora.merge_every``, and the
+end of a run) is full weights, base + alpha/r * B @ A computed shard by shard on the owning rows (A is gathered, it is
+rank x in), written by the parallel writer above, with the same adapter in ``adapter/`` so LoRA workers keep serving
+adapters on their unchanged base.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from buffer.config import AdapterConfig
 from buffer.layout import RunLayout
-from buffer.weights import WeightsError, commit_version, staging_dir
+from buffer.weights import WeightsError, base_model_hash, commit_version, staging_dir
 from trainer import dist as tdist
+from trainer import lora as tlora
 from trainer.model import hf_module, reshard
 
 PUBLISH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +66,7 @@ _WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_m
 _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
 INDEX = "model.safetensors.index.json"
+ADAPTER_DIR = "adapter"  # the adapter inside a merged full version
 _WRITE_BLOCK = 64 << 20  # bytes per write() call
 # Host buffers of _HostStaging, kept across publishes: pinning memory is slow.
 _PINNED: list[torch.Tensor] = []
@@ -71,6 +82,7 @@ class _Item:
     sharded: bool = False  # Shard(0) over all ranks in rank order: takes the all_to_all path
     owner: int = 0
     rows: list[int] = field(default_factory=list)  # sharded: dim-0 rows held by each rank
+    merge: tuple[torch.Tensor, torch.Tensor, float] | None = None  # LoRA (A, B, scale) added on publishing
 
     @property
     def row_bytes(self) -> int:
@@ -109,9 +121,22 @@ def _is_row_sharded(t: torch.Tensor, world: int) -> bool:
     )
 
 
+def _merges(hf: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """``{HF name of a base weight: (lora_A, lora_B, scale)}`` of every LoRA layer (empty without LoRA)."""
+    if not tlora.has_adapters(hf):
+        return {}
+    out = {}
+    for name, layer in tlora.lora_layers(hf):
+        a = layer.lora_A[tlora.ADAPTER].weight
+        b = layer.lora_B[tlora.ADAPTER].weight
+        out[hf_name(f"{name}.weight")] = (a.detach(), b.detach(), tlora.adapter_scale(layer))
+    return out
+
+
 def _collect(model: nn.Module, dtype: torch.dtype, tied: bool, world: int) -> list[_Item]:
-    """Every tensor to publish, in module order (the same on every rank)."""
+    """Every tensor to publish, in module order (the same on every rank); LoRA layers merged into their base."""
     hf = hf_module(model)
+    merges = _merges(hf)
     named: list[tuple[str, torch.Tensor]] = list(
         hf.named_parameters()
     )  # shared (tied) parameters appear once
@@ -122,7 +147,9 @@ def _collect(model: nn.Module, dtype: torch.dtype, tied: bool, world: int) -> li
     items: list[_Item] = []
     seen: set[str] = set()
     for raw, t in named:
-        name = hf_name(raw)
+        name = tlora.base_name(hf_name(raw))
+        if tlora.is_adapter_param(name):
+            continue  # merged into its base weight
         if tied and name == "lm_head.weight":
             continue  # the alias of the embedding; HF re-ties it on load
         if name in seen:
@@ -132,7 +159,43 @@ def _collect(model: nn.Module, dtype: torch.dtype, tied: bool, world: int) -> li
         shape = tuple(int(s) for s in t.shape)
         nbytes = out_dtype.itemsize * (int(torch.Size(shape).numel()))
         items.append(_Item(name, t.detach(), shape, out_dtype, nbytes, _is_row_sharded(t, world)))
+        items[-1].merge = merges.get(name)
     return items
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return cast(DTensor, t).full_tensor() if isinstance(t, DTensor) else t
+
+
+def _merged(
+    base: torch.Tensor, merge: tuple[torch.Tensor, torch.Tensor, float], b_rows: torch.Tensor
+) -> torch.Tensor:
+    """``base + scale * B @ A`` in fp32, for ``base`` rows and the matching rows ``b_rows`` of B.  Gathers A: a
+    collective, which every rank runs for the same items in the same order."""
+    a, _, scale = merge
+    a_full = _full(a).float()
+    if b_rows.shape[0] != base.shape[0]:
+        raise WeightsError(
+            f"publish: LoRA B has {b_rows.shape[0]} local rows against {base.shape[0]} of its base"
+        )
+    return base.float() + scale * (b_rows.float() @ a_full)
+
+
+def _local(it: _Item) -> torch.Tensor:
+    """This rank's rows of a row-sharded item as published (merged with its adapter when it has one)."""
+    local = it.tensor.to_local()  # type: ignore[attr-defined]
+    if it.merge is None:
+        return local
+    b = it.merge[1]
+    return _merged(local, it.merge, b.to_local() if isinstance(b, DTensor) else b)
+
+
+def _whole(it: _Item) -> torch.Tensor:
+    """A non-row-sharded item in full, in its publish dtype (collective for DTensors)."""
+    if it.merge is None:
+        t = it.tensor
+        return cast(DTensor, t.to(it.dtype)).full_tensor() if isinstance(t, DTensor) else t
+    return _merged(_full(it.tensor), it.merge, _full(it.merge[1])).to(it.dtype)
 
 
 def _plan(items: list[_Item], world: int, bucket_bytes: int) -> list[list[_Item]]:
@@ -246,7 +309,7 @@ def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) ->
     tensors of the bucket, whole and back to back in bucket order, as uint8 on ``device``."""
     by_dst: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for it in bucket:
-        by_dst[it.owner].append(_as_bytes(it.tensor.to_local(), it.dtype))  # type: ignore[attr-defined]
+        by_dst[it.owner].append(_as_bytes(_local(it), it.dtype))
     in_splits = [sum(b.numel() for b in blocks) for blocks in by_dst]
     mine = [it for it in bucket if it.owner == me]
     out_splits = [sum(it.rows[src] * it.row_bytes for it in mine) for src in range(world)]
@@ -281,8 +344,7 @@ def _write_rank_file(
     if writer is not None:
         writer.append(_header(order))
     for it in loose:  # plain tensors (every rank holds them) and DTensors of another layout: rare and small
-        t = it.tensor
-        full = cast(DTensor, t.to(it.dtype)).full_tensor() if isinstance(t, DTensor) else t
+        full = _whole(it)
         if writer is not None and it.owner == me:
             writer.append(_as_bytes(full, it.dtype).cpu())
     max_bytes = max((sum(it.nbytes for it in b if it.owner == me) for b in buckets), default=0)
@@ -334,6 +396,27 @@ def _write_metadata(staging: Path, items: list[_Item], world: int, dtype: str, s
             shutil.copyfile(f, staging / f.name)
 
 
+def _write_adapter(model: nn.Module, out: Path, dtype: torch.dtype, lora: AdapterConfig, base: Path) -> None:
+    """Gather every adapter tensor to rank 0 (collective), which writes peft's two files into ``out``."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for raw, p in hf_module(model).named_parameters():
+        name = hf_name(raw)
+        if tlora.is_adapter_param(name):
+            full = _full(p.detach())  # every rank, same order
+            if tdist.is_main():
+                tensors[tlora.peft_name(name)] = full.to(dtype).cpu().contiguous()
+    if not tdist.is_main():
+        return
+    if not tensors:
+        raise WeightsError("publish: model.lora is on but the model has no LoRA adapter parameters")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    for fname, text in tlora.adapter_files(lora, base).items():
+        (out / fname).write_text(text)
+
+
 def publish_weights(
     model: nn.Module,
     layout: RunLayout,
@@ -344,26 +427,54 @@ def publish_weights(
     tied: bool,
     src_model_dir: Path,
     bucket_bytes: int = 512 << 20,
+    lora: AdapterConfig | None = None,
+    merged: bool = False,
 ) -> None:
     """Publish ``model`` (an ``Actor`` or HF model, FSDP2-sharded or not) as weight version ``version``.
 
     Collective: call on every rank.  ``dtype`` is the publish dtype (float32, bfloat16, float16); ``tied`` drops the
     ``lm_head.weight`` alias; ``src_model_dir`` is the base model whose config and tokenizer files ride along.
+    With ``lora`` (``model.lora`` of a model that carries adapters) the version is the adapter alone, or with
+    ``merged`` the merged full weights plus the adapter in ``adapter/``.
     Returns once LATEST points at the new version on every rank.
     """
     if dtype not in PUBLISH_DTYPES:
         raise WeightsError(f"publish dtype {dtype!r} is not one of {', '.join(PUBLISH_DTYPES)}")
     world, me = tdist.world(), tdist.rank()
     device = tdist.current_device()
+    full = lora is None or merged
+    adapter = None if lora is None else ADAPTER_DIR if merged else "."
     reshard(model)  # parameters must be the sharded DTensors, not a root's gathered copies
     with torch.no_grad():
-        items = _collect(model, PUBLISH_DTYPES[dtype], tied, world)
-        buckets = _plan(items, world, bucket_bytes)
         staging = _fresh_staging(layout, version)
-        sha = _write_rank_file(items, buckets, staging / shard_file_name(me, world), device)
+        if lora is not None:
+            _write_adapter(model, staging / str(adapter), PUBLISH_DTYPES[dtype], lora, Path(src_model_dir))
+        items: list[_Item] = []
+        sha = None
+        if full:
+            items = _collect(model, PUBLISH_DTYPES[dtype], tied, world)
+            buckets = _plan(items, world, bucket_bytes)
+            sha = _write_rank_file(items, buckets, staging / shard_file_name(me, world), device)
     digests = tdist.all_gather_object(sha)  # also the point where every rank's file is closed and fsynced
     if me == 0:
-        _write_metadata(staging, items, world, dtype, src_model_dir)
+        if full:
+            _write_metadata(staging, items, world, dtype, src_model_dir)
         known = {shard_file_name(r, world): d for r, d in enumerate(digests) if d is not None}
-        commit_version(layout, version, staging, step=step, dtype=dtype, file_sha256=known)
+        base = (
+            {}
+            if lora is None
+            else {"base_model": str(src_model_dir), "base_sha256": base_model_hash(src_model_dir)}
+        )
+        kind = "full" if full else "adapter"
+        commit_version(
+            layout,
+            version,
+            staging,
+            step=step,
+            dtype=dtype,
+            file_sha256=known,
+            kind=kind,
+            adapter=adapter,
+            **base,
+        )
     tdist.barrier()

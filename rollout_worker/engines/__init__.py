@@ -36,19 +36,26 @@ def make_engine(
     seed: int = 0,
     max_model_len: int = 2048,
     vllm_options: dict[str, Any] | None = None,
+    lora_rank: int = 0,
 ) -> Engine:
     """Build the engine of ``kind`` ("vllm" | "hf" | "auto") on the HF model in ``model_dir``.
 
     ``vllm_options`` are ``vllm.LLM`` arguments (``None`` values mean vLLM's default) plus ``cpu_kvcache_space_gib``
-    and ``cpu_threads_bind``; the transformers engine ignores them.
+    and ``cpu_threads_bind``; the transformers engine ignores them.  ``lora_rank`` > 0 (``model.lora.rank``): the
+    engine serves LoRA adapters of at most that rank on its base (``base.plan_load``).
     """
     kind = resolve_kind(kind)
     if kind == "vllm":
         from rollout_worker.engines.vllm import VllmEngine
 
         return VllmEngine(
-            model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, options=vllm_options
+            model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            options=vllm_options,
+            lora_rank=lora_rank,
         )
     from rollout_worker.engines.hf import HFEngine
 
-    return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len)
+    return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, lora_rank=lora_rank)

@@ -3,13 +3,23 @@
 A rollout worker holds one engine for its whole life: it calls ``generate`` on token ids (the worker tokenizes, so
 the ids it trains on are exactly the ids the engine saw) and ``load_weights`` between batches when the trainer has
 published a new version.  Importing this module imports nothing heavy.
+
+With LoRA (``model.lora.rank`` > 0) an engine is started with ``lora_rank`` and serves peft adapters on its base,
+which never moves: ``load_weights`` of an adapter version (or of a merged full version, which carries its adapter)
+makes that adapter the active one.  ``plan_load`` decides what a directory is for an engine, and refuses, in one line,
+an adapter trained on another base (its manifest's ``base_sha256`` against ``buffer.weights.base_model_hash`` of the
+engine's base), an adapter for an engine without LoRA, and full weights without an adapter for an engine with it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
+
+from buffer.records import RecordError
+from buffer.weights import MANIFEST, WeightsError, base_model_hash, read_manifest
 
 
 @dataclass
@@ -49,7 +59,8 @@ class Engine(Protocol):
         ...
 
     def load_weights(self, weights_dir: Path) -> None:
-        """Replace the weights in place from a HF-format directory of safetensors; no restart, no recompile."""
+        """Serve the weights of ``weights_dir`` from now on: HF-format safetensors replace the weights in place (no
+        restart, no recompile); with LoRA the directory's adapter becomes the active one (see ``plan_load``)."""
         ...
 
     def close(self) -> None: ...
@@ -95,3 +106,87 @@ def check_prompts(prompt_ids: list[list[int]], sampling: SamplingSpec, max_model
 
 def sample_seed(seed: int | None, prompt_index: int, n: int, sample_index: int) -> int | None:
     return None if seed is None else seed + prompt_index * n + sample_index
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What ``load_weights`` does with a directory: reload full weights from ``path``, or apply the adapter there."""
+
+    what: Literal["full", "adapter"]
+    path: Path
+
+
+def engine_base_hash(model_dir: Path, lora_rank: int) -> str | None:
+    """The base fingerprint a LoRA engine checks adapters against (None without LoRA)."""
+    if lora_rank <= 0:
+        return None
+    try:
+        return base_model_hash(model_dir)
+    except WeightsError as e:
+        raise EngineError(str(e)) from None
+
+
+def plan_load(weights_dir: Path, *, lora_rank: int, base_sha256: str | None, base_dir: Path) -> LoadPlan:
+    """What an engine (``lora_rank`` > 0: a LoRA engine on the base ``base_dir``) does with ``weights_dir``.
+
+    A published version says what it holds in its manifest; a directory without one (made by hand, a benchmark) is
+    an adapter when it holds ``adapter_config.json``, and has no base fingerprint to check.
+    """
+    weights_dir = Path(weights_dir)
+    if not weights_dir.is_dir():
+        raise EngineError(f"{weights_dir}: weights directory not found")
+    adapter: Path | None = weights_dir if (weights_dir / ADAPTER_CONFIG).is_file() else None
+    full = adapter is None
+    trained_on: str | None = None
+    if (weights_dir / MANIFEST).is_file():
+        try:
+            manifest = read_manifest(weights_dir)
+        except RecordError as e:
+            raise EngineError(str(e)) from None
+        full = manifest.kind == "full"
+        adapter = weights_dir / manifest.adapter if manifest.adapter is not None else None
+        trained_on = manifest.base_sha256
+    if lora_rank <= 0:
+        if not full:
+            raise EngineError(
+                f"{weights_dir}: a LoRA adapter version, but this engine was started without LoRA "
+                "(model.lora.rank = 0); refused"
+            )
+        return LoadPlan("full", weights_dir)
+    if adapter is None:
+        raise EngineError(
+            f"{weights_dir}: full weights without a LoRA adapter, but this engine serves adapters on its "
+            f"unchanged base (model.lora.rank = {lora_rank}); refused"
+        )
+    if trained_on is not None and trained_on != base_sha256:
+        raise EngineError(
+            f"{weights_dir / MANIFEST}: base_sha256 {trained_on[:12]}... is not this worker's base {base_dir} "
+            f"({str(base_sha256)[:12]}...): the adapter was trained on another base model; refused"
+        )
+    adapter_rank(adapter, lora_rank)
+    return LoadPlan("adapter", adapter)
+
+
+def adapter_rank(adapter_dir: Path, max_rank: int) -> int:
+    """The rank in ``adapter_dir/adapter_config.json``, checked against the engine's ``max_rank``; EngineError when
+    the adapter is not one this engine can apply."""
+    path = adapter_dir / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineError(f"{path}: missing; not a peft adapter directory") from None
+    except ValueError as e:
+        raise EngineError(f"{path}: not valid JSON ({e})") from None
+    rank = config.get("r") if isinstance(config, dict) else None
+    if not isinstance(rank, int) or rank < 1:
+        raise EngineError(f"{path}: field r is {rank!r}, expected the LoRA rank (an integer >= 1)")
+    if rank > max_rank:
+        raise EngineError(
+            f"{path}: field r is {rank}, above the rank this engine was started for ({max_rank}, model.lora.rank)"
+        )
+    if not (adapter_dir / "adapter_model.safetensors").is_file():
+        raise EngineError(f"{adapter_dir}: no adapter_model.safetensors in the adapter directory")
+    return rank

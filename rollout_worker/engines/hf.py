@@ -4,6 +4,10 @@ A hand-written sampling loop over a KV cache rather than ``model.generate``: the
 logprob under exactly the distribution it was drawn from (temperature, then top-k, then top-p, then log-softmax, in
 vLLM's order and with vLLM's tie and boundary rules), which is what PPO's behaviour logprobs must be.  Prompts are
 left-padded into one batch with explicit position ids.  Hot reload copies safetensors into the live parameters.
+
+With LoRA (``lora_rank`` > 0) peft injects the adapter's layers into the model in place (``PeftModel`` is kept aside
+as ``self.peft`` for managing adapters; ``self.model`` stays the HF model, now with LoRA layers), and each new version
+is loaded as a new named adapter, made active, and the previous one deleted: the base weights never move.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from rollout_worker.engines.base import (
     EngineError,
     SamplingSpec,
     check_prompts,
+    engine_base_hash,
+    plan_load,
     require_model_dir,
     safetensors_files,
 )
@@ -72,6 +78,7 @@ class HFEngine:
         max_model_len: int = 2048,
         device: str | None = None,
         max_batch_size: int = 256,
+        lora_rank: int = 0,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -82,6 +89,11 @@ class HFEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
+        self.lora_rank = lora_rank
+        self.base_sha256 = engine_base_hash(self.model_dir, lora_rank)
+        self.peft: Any = None  # peft's PeftModel around self.model once an adapter is loaded
+        self.adapter: str | None = None  # the active adapter's name
+        self._adapters = 0
         self._rng = random.Random(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         # Any: transformers' typing of PreTrainedModel.to confuses the checker
@@ -208,7 +220,8 @@ class HFEngine:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def load_weights(self, weights_dir: Path) -> None:
-        """Copy every tensor of ``weights_dir/*.safetensors`` into the live parameters.
+        """Copy every tensor of ``weights_dir/*.safetensors`` into the live parameters (with LoRA: apply the
+        version's adapter, ``_load_adapter``).
 
         All names and shapes are checked before anything is copied, so a bad directory leaves the old weights whole.
         A tied model's directory carries no ``lm_head.weight``: the embedding it shares is loaded instead.
@@ -216,6 +229,12 @@ class HFEngine:
         import torch
         from safetensors.torch import load_file
 
+        plan = plan_load(
+            Path(weights_dir), lora_rank=self.lora_rank, base_sha256=self.base_sha256, base_dir=self.model_dir
+        )
+        if plan.what == "adapter":
+            self._load_adapter(plan.path)
+            return
         files = safetensors_files(Path(weights_dir))
         state: dict[str, Any] = {}
         for f in files:
@@ -232,6 +251,27 @@ class HFEngine:
             )
         with torch.no_grad():
             self.model.load_state_dict(state, strict=False)
+
+    def _load_adapter(self, adapter_dir: Path) -> None:
+        """Load the adapter under a new name, make it active and delete the previous one.
+
+        ``plan_load`` has checked its config; a failure past that point may leave half-injected layers, so it is not
+        an ``EngineError`` (which keeps the worker serving) but a crash, and the supervisor restarts a clean worker.
+        """
+        from peft import PeftModel
+
+        self._adapters += 1
+        name = f"v{self._adapters}"
+        if self.peft is None:
+            self.peft = PeftModel.from_pretrained(self.model, str(adapter_dir), adapter_name=name)
+            self.peft.eval()
+        else:
+            self.peft.load_adapter(str(adapter_dir), adapter_name=name)
+        self.peft.set_adapter(name)
+        self.model.requires_grad_(False)
+        if self.adapter is not None:
+            self.peft.delete_adapter(self.adapter)
+        self.adapter = name
 
     def close(self) -> None:
         import torch

@@ -8,6 +8,11 @@ from (temperature, top-k, top-p applied), the behaviour policy PPO corrects for.
 Hot reload goes through ``WorkerExtension``, which vLLM mixes into its worker class in the worker process (named by
 its import path; only a path string and a method name cross the process boundary).  This module imports vLLM only
 when an engine is built, so the worker process can import the extension cheaply.
+
+With LoRA the engine starts with ``enable_lora`` (``max_lora_rank``: the configured rank rounded up to a size vLLM
+has kernels for) and a new version is a new ``LoRARequest`` id, registered with ``add_lora`` at load time (so a bad
+adapter is refused there, not in the next generate) while the base weights never move; the previous id is removed.
+The prefix cache needs no reset: vLLM keys cached blocks by adapter.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from rollout_worker.engines.base import (
     EngineError,
     SamplingSpec,
     check_prompts,
+    engine_base_hash,
+    plan_load,
     require_model_dir,
     safetensors_files,
     sample_seed,
@@ -31,6 +38,18 @@ from rollout_worker.engines.base import (
 EXTENSION = f"{__name__}.WorkerExtension"
 # Options that are not vllm.LLM arguments.
 _OWN_OPTIONS = {"cpu_kvcache_space_gib", "cpu_threads_bind"}
+# The adapter ranks vLLM 0.32 accepts as max_lora_rank.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
+    for r in LORA_RANKS:
+        if r >= rank:
+            return r
+    raise EngineError(
+        f"model.lora.rank {rank} is above the largest LoRA rank vLLM supports ({LORA_RANKS[-1]})"
+    )
 
 
 class WorkerExtension:
@@ -71,7 +90,7 @@ def configure_cpu_env(options: dict[str, Any]) -> None:
 
 
 def llm_kwargs(
-    model_dir: Path, *, dtype: str, seed: int, max_model_len: int, options: dict[str, Any]
+    model_dir: Path, *, dtype: str, seed: int, max_model_len: int, options: dict[str, Any], lora_rank: int = 0
 ) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments: ours, then the options (``None`` = vLLM's default; dtype ``auto`` = ours)."""
     kwargs: dict[str, Any] = {
@@ -83,6 +102,8 @@ def llm_kwargs(
         "worker_extension_cls": EXTENSION,
         "enforce_eager": True,
     }
+    if lora_rank > 0:  # one adapter at a time: the newest version
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1)
     for key, value in options.items():
         if key in _OWN_OPTIONS or value is None or (key == "dtype" and value == "auto"):
             continue
@@ -101,14 +122,24 @@ class VllmEngine:
         seed: int = 0,
         max_model_len: int = 2048,
         options: dict[str, Any] | None = None,
+        lora_rank: int = 0,
     ) -> None:
         model_dir = require_model_dir(Path(model_dir))
         options = dict(options or {})
         configure_cpu_env(options)
         from vllm import LLM
 
+        self.model_dir, self.lora_rank = model_dir, lora_rank
+        self.base_sha256 = engine_base_hash(model_dir, lora_rank)
+        self.lora_request: Any = None  # the adapter every generate applies (LoRA engines, once one is loaded)
+        self._lora_ids = 0
         self.kwargs = llm_kwargs(
-            model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, options=options
+            model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            options=options,
+            lora_rank=lora_rank,
         )
         self.max_model_len = int(self.kwargs["max_model_len"])
         self.llm = LLM(**self.kwargs)
@@ -137,7 +168,7 @@ class VllmEngine:
         # stream distinct (one seed for the whole batch would give identical prompts identical samples).
         per_prompt = [params(sample_seed(sampling.seed, i, sampling.n, 0)) for i in range(len(prompt_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False)
+        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, lora_request=self.lora_request)
         return [[self._completion(req.prompt_token_ids, out) for out in req.outputs] for req in outputs]
 
     def _completion(self, prompt_ids: Any, out: Any) -> Completion:
@@ -156,8 +187,15 @@ class VllmEngine:
         )
 
     def load_weights(self, weights_dir: Path) -> None:
-        """Reload in place between ``generate`` calls, then drop the prefix cache filled under the old weights."""
+        """Between ``generate`` calls: apply the version's adapter (LoRA engines), or reload full weights in place
+        and drop the prefix cache filled under the old weights."""
         weights_dir = Path(weights_dir).absolute()
+        plan = plan_load(
+            weights_dir, lora_rank=self.lora_rank, base_sha256=self.base_sha256, base_dir=self.model_dir
+        )
+        if plan.what == "adapter":
+            self._load_adapter(plan.path)
+            return
         safetensors_files(weights_dir)
         seconds = self.llm.collective_rpc("shardrl_reload_weights", kwargs={"weights_path": str(weights_dir)})
         self.last_reload_s = max(float(s) for s in seconds)  # one result per tensor-parallel rank
@@ -165,6 +203,28 @@ class VllmEngine:
             raise EngineError(
                 "vllm engine: prefix cache not reset after a weight reload (requests still running)"
             )
+
+    def _load_adapter(self, adapter_dir: Path) -> None:
+        """Register the adapter under a new id and make it the one every generate applies; drop the previous id."""
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
+        self._lora_ids += 1
+        request = LoRARequest(f"shardrl-{self._lora_ids}", self._lora_ids, str(adapter_dir))
+        try:
+            added = self.llm.llm_engine.add_lora(request)
+        except (ValueError, RuntimeError, OSError, KeyError) as e:
+            if type(e).__name__ == "EngineDeadError":
+                raise
+            raise EngineError(
+                f"{adapter_dir}: vLLM refused the adapter: {str(e).splitlines()[0] if str(e) else e!r}"
+            ) from None
+        if not added:
+            raise EngineError(f"{adapter_dir}: vLLM did not register the adapter")
+        old, self.lora_request = self.lora_request, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+        self.last_reload_s = time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the engine core and worker processes now rather than when the interpreter exits."""

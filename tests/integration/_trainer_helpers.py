@@ -16,7 +16,8 @@ from typing import Any
 
 from buffer.config import apply_overrides, validate
 from buffer.layout import RunLayout
-from shardrl.runs import init_run, open_run
+from buffer.run import open_run
+from shardrl.runs import init_run
 
 REPO = Path(__file__).resolve().parents[2]
 
