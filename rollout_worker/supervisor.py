@@ -8,8 +8,10 @@ Each tick it
   * leases free worker slots ``0 .. desired-1`` (lowest first) up to its local capacity and starts one worker process
     per slot, ``python -m rollout_worker.worker``, in its own process group, on its own GPU (``CUDA_VISIBLE_DEVICES``)
     or CPU cores;
-  * renews its leases every ``run.heartbeat_interval_s``; a slot whose lease another supervisor took over (we looked
-    dead) has its worker stopped;
+  * renews its leases every ``run.heartbeat_interval_s`` (and at least every ``run.lease_timeout_s / 8``); a slot
+    whose lease another supervisor took over (we looked dead) has its worker stopped.  The worker watches the lease
+    too and stops by itself when it changes hands or stops moving (this supervisor stalled, e.g. SIGSTOPped), before
+    another supervisor can take the slot over, so no two workers of one slot ever publish at once;
   * drains workers of slots >= desired (SIGTERM, SIGKILL at ``rollout.drain_deadline_s``) and releases their leases
     once they exited;
   * restarts a worker that died, after ``rollout.restart_backoff_s`` doubling; ``rollout.max_restarts`` restarts within
@@ -17,7 +19,12 @@ Each tick it
     failed in its status record and give its slot back for another node.  This node then leaves that slot alone for
     ``restart_window_s``.
 SIGTERM/SIGINT (Slurm time limit, preemption, Ctrl-C) drains every worker within ``rollout.drain_deadline_s`` and
-exits 0; a second signal kills the workers at once.  Nothing here imports torch or vLLM.
+exits 0; a second signal kills the workers at once.
+
+Storage trouble never ends the supervisor: a write that fails (a full disk writing a worker's log header or the
+status record, a flaky mount) is logged, kept in the status record's ``last_error`` (written once writing works
+again) and retried at the next tick.  A damaged newest control generation is reported in ``control_problem``; the
+desired count stays what it was until it is repaired.  Nothing here imports torch or vLLM.
 """
 
 from __future__ import annotations
@@ -38,13 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from buffer.config import ShardRLConfig
-from buffer.control import ControlState, ControlWatcher, Leases
+from buffer.control import ControlState, ControlWatcher, Leases, renew_interval_s
 from buffer.fsio import HOST, read_json_or_none
 from buffer.heartbeats import StatusWriter, supervisor_status, worker_status
 from buffer.layout import RunLayout
+from buffer.procs import signal_group, start_group, stop_groups
 from buffer.run import Run
 from rollout_worker.engines import resolve_kind
-from rollout_worker.worker import EXIT_USER, worker_id_for
+from rollout_worker.lifecycle import EXIT_LEASE, EXIT_USER
+from rollout_worker.worker import worker_id_for
 
 log = logging.getLogger("shardrl.supervisor")
 
@@ -93,7 +102,7 @@ def local_devices(cfg: ShardRLConfig) -> Devices:
     """Capacity = ``rollout.max_local_workers`` when set, else one worker per GPU group, else ``cpu_workers``."""
     r = cfg.rollout
     gpus = visible_gpus()
-    tp = r.vllm.tensor_parallel_size if resolve_kind(r.engine) == "vllm" else 1
+    tp = r.vllm.tensor_parallel_size if r.vllm is not None and resolve_kind(r.engine) == "vllm" else 1
     groups = [",".join(gpus[i : i + tp]) for i in range(0, len(gpus) - tp + 1, tp)]
     capacity = r.max_local_workers if r.max_local_workers is not None else (len(groups) or r.cpu_workers)
     try:
@@ -123,17 +132,12 @@ class Slot:
     restarts: collections.deque[float] = field(default_factory=collections.deque)
     restart_at: float | None = None  # a dead worker waits for its backoff
     kill_at: float | None = None  # set while draining: SIGKILL at this time
+    killed: bool = False  # SIGKILL sent, exit not reaped yet
     lease_lost: bool = False
 
     @property
     def draining(self) -> bool:
         return self.kill_at is not None
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal a worker's process group: the worker and whatever its engine spawned."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
 
 
 def _last_line(path: Path, limit: int = 65536) -> str | None:
@@ -168,11 +172,14 @@ class Supervisor:
         self.desired = 0
         self.control_generation = -1
         self.last_rejection: str | None = None
+        self.control_problem: str | None = None
+        self.last_error: str | None = None  # the last storage error kept going through, for the status record
         self.stopping = False
         self.deadline = math.inf
         self._signals = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
         self._observer: Any = None
 
     # ------------------------------------------------------------------ wake-ups and signals
@@ -188,9 +195,15 @@ class Supervisor:
                 os.read(self._wake_r, 4096)
 
     def on_signal(self, signum: int, frame: object) -> None:
-        # Only flags and a pipe write here: the loop does the work.
+        # Only a counter here; the wakeup fd (set in serve) wakes the loop, which does the work.
         self._signals += 1
-        self.wake()
+
+    def _trouble(self, what: str, e: OSError) -> None:
+        """A storage error the supervisor keeps going through: logged, and kept for the status record."""
+        line = f"{what}: {e}"
+        if line != self.last_error:
+            log.warning("supervisor %s: %s; will retry", self.id, line)
+        self.last_error = line
 
     def _watch_control_file(self) -> None:
         """inotify on the run directory, as a hint: same-node writes of control.json wake the loop at once."""
@@ -219,11 +232,17 @@ class Supervisor:
     def _poll_control(self) -> None:
         try:
             state: ControlState = self.watcher.poll()
-        except OSError as e:  # a flaky mount: keep the last desired count
-            log.warning(
-                "supervisor %s: control poll failed (%s); keeping desired %d", self.id, e, self.desired
-            )
+        except OSError as e:  # a flaky mount or a full disk: keep the last desired count
+            self._trouble(f"control poll failed (keeping desired {self.desired})", e)
             return
+        if state.problem is not None:  # never a silent revert: keep the count we had, and say why
+            if state.problem != self.control_problem:
+                log.error("supervisor %s: %s; keeping desired %d", self.id, state.problem, self.desired)
+            self.control_problem = state.problem
+            return
+        if self.control_problem is not None:
+            log.info("supervisor %s: control state readable again", self.id)
+            self.control_problem = None
         first = self.control_generation < 0
         if state.desired != self.desired:
             log.info("supervisor %s: desired workers %d -> %d", self.id, self.desired, state.desired)
@@ -238,7 +257,7 @@ class Supervisor:
             try:
                 ok = self.leases.renew(s.slot)
             except OSError as e:
-                log.warning("supervisor %s: renewing slot %d failed (%s); retrying", self.id, s.slot, e)
+                self._trouble(f"renewing the lease of slot {s.slot} failed", e)
                 continue
             if not ok and not s.lease_lost:
                 log.warning(
@@ -258,10 +277,10 @@ class Supervisor:
                 before = self.leases.read(slot)
                 acquired = self.leases.try_acquire(slot)
             except OSError as e:
-                log.warning("supervisor %s: lease of slot %d: %s", self.id, slot, e)
+                self._trouble(f"lease of slot {slot}", e)
                 continue
             if acquired:
-                if before is not None and before.get("holder") != self.id:
+                if before is not None and not before.get("released") and before.get("holder") != self.id:
                     log.warning(
                         "supervisor %s: took over slot %d from %s (lease not renewed for %gs)",
                         self.id,
@@ -278,6 +297,7 @@ class Supervisor:
     # ------------------------------------------------------------------ worker processes
 
     def _spawn(self, s: Slot) -> None:
+        """Start the slot's worker; when that fails (a full disk for its log, no memory), retry after a backoff."""
         args = [a for k, v in self.overrides.items() for a in (f"--{k}", v)]
         cmd = [
             sys.executable,
@@ -298,19 +318,14 @@ class Supervisor:
         ]
         env = self.devices.env(s.local, dict(os.environ))
         env["PYTHONUNBUFFERED"] = "1"
-        self.layout.logs.mkdir(parents=True, exist_ok=True)
-        with open(self._log_path(s), "ab") as logf:
-            logf.write(f"\n=== {time.strftime('%F %T')} {s.worker_id} started by {self.id}\n".encode())
-            logf.flush()
+        header = f"\n=== {time.strftime('%F %T')} {s.worker_id} started by {self.id}\n"
+        try:
             # its own session: a terminal's Ctrl-C reaches the supervisor, which drains the workers in order
-            s.proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            s.proc = start_group(cmd, self._log_path(s), env=env, header=header)
+        except OSError as e:
+            self._trouble(f"starting {s.worker_id} failed", e)
+            s.restart_at = time.monotonic() + self.cfg.rollout.restart_backoff_s
+            return
         s.restart_at = None
         where = env.get("CUDA_VISIBLE_DEVICES") or f"cpu {env.get('VLLM_CPU_OMP_THREADS_BIND', '')}"
         log.info(
@@ -325,23 +340,29 @@ class Supervisor:
         if s.draining and deadline is None:
             return
         s.kill_at = deadline if deadline is not None else time.monotonic() + self.cfg.rollout.drain_deadline_s
-        if s.proc is not None:
-            _signal_group(s.proc, signal.SIGTERM)
+        if s.proc is not None and s.proc.poll() is None:
+            # the worker alone: it finishes its batch on its engine, then closes it; the group dies at the deadline
+            with contextlib.suppress(ProcessLookupError):
+                s.proc.send_signal(signal.SIGTERM)
 
     def _reap(self) -> None:
         now = time.monotonic()
         for s in list(self.slots.values()):
             if s.proc is not None and s.proc.poll() is None:
-                if s.kill_at is not None and now >= s.kill_at:
+                if s.kill_at is not None and now >= s.kill_at and not s.killed:
                     log.warning("supervisor %s: %s did not drain in time; killing it", self.id, s.worker_id)
-                    _signal_group(s.proc, signal.SIGKILL)
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        s.proc.wait(timeout=2.0)
+                    signal_group(s.proc, signal.SIGKILL)  # reaped at a later tick: the loop never blocks here
+                    s.killed = True
                 continue
             if s.proc is not None:
                 rc = s.proc.returncode
-                _signal_group(s.proc, signal.SIGKILL)  # leftovers of its engine, if any
-                pid, s.proc = s.proc.pid, None
+                signal_group(s.proc, signal.SIGKILL)  # leftovers of its engine, if any
+                pid, s.proc, s.killed = s.proc.pid, None, False
+                if rc == EXIT_LEASE and not s.draining:
+                    # it judged the slot lost (or us stalled): restarted only if the slot is still ours
+                    log.warning("supervisor %s: %s stopped over its slot's lease", self.id, s.worker_id)
+                    s.restart_at = now + self.cfg.rollout.restart_backoff_s
+                    continue
                 if not s.draining:
                     self._on_death(s, pid, rc)
                     continue
@@ -349,7 +370,26 @@ class Supervisor:
             if s.draining:
                 self._drop(s)
             elif s.restart_at is not None and now >= s.restart_at and not self.stopping:
-                self._spawn(s)
+                self._respawn(s)
+
+    def _still_held(self, s: Slot) -> bool:
+        """Renew the slot's lease now; a lost lease drops the slot (its worker is gone) without releasing it."""
+        try:
+            if self.leases.renew(s.slot):
+                return True
+        except OSError as e:
+            self._trouble(f"renewing the lease of slot {s.slot} failed", e)
+            return False  # cannot tell yet: the next tick asks again
+        log.warning(
+            "supervisor %s: lost the lease of slot %d; not restarting %s", self.id, s.slot, s.worker_id
+        )
+        s.lease_lost = True
+        self._drop(s)
+        return False
+
+    def _respawn(self, s: Slot) -> None:
+        if self._still_held(s):
+            self._spawn(s)
 
     def _on_death(self, s: Slot, pid: int, rc: int | None) -> None:
         now = time.monotonic()
@@ -435,7 +475,7 @@ class Supervisor:
             }
             for s in self.slots.values()
         }
-        with contextlib.suppress(OSError):
+        try:
             self.status.update(
                 state=state,
                 slots=sorted(self.slots),
@@ -444,11 +484,17 @@ class Supervisor:
                 workers=workers,
                 failed_slots={str(k): v for k, v in self.failed.items()},
                 control_generation=self.control_generation,
+                last_rejection=self.last_rejection,
+                control_problem=self.control_problem,
+                last_error=self.last_error,
             )
+        except OSError as e:  # e.g. a full disk: the error goes into the next record that can be written
+            self._trouble("writing the status record failed", e)
 
     # ------------------------------------------------------------------ main loop
 
     def serve(self) -> int:
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.on_signal)
         self._watch_control_file()
@@ -463,6 +509,7 @@ class Supervisor:
             else f"cpu, {self.devices.threads} threads each",
         )
         self._write_status("starting")
+        beat_s = renew_interval_s(r.lease_timeout_s, r.heartbeat_interval_s)
         next_control = next_beat = 0.0
         try:
             while True:
@@ -477,7 +524,7 @@ class Supervisor:
                 if now >= next_beat:
                     self._renew()
                     self._write_status("draining" if self.stopping else "running")
-                    next_beat = now + r.heartbeat_interval_s
+                    next_beat = now + beat_s
                 if not self.stopping and now >= next_control:
                     self._poll_control()
                     self._scale_down()
@@ -486,7 +533,8 @@ class Supervisor:
                 self._reap()
                 if self.stopping and not self.slots:
                     break
-                self._sleep(min(0.2, max(0.0, min(next_beat, next_control) - time.monotonic())))
+                tick = 0.02 if any(s.killed for s in self.slots.values()) else 0.2  # reap the killed at once
+                self._sleep(min(tick, max(0.0, min(next_beat, next_control) - time.monotonic())))
         finally:
             self._kill_all()
             self._write_status("stopped")
@@ -513,13 +561,8 @@ class Supervisor:
 
     def _kill_all(self) -> None:
         """Last resort and normal end alike: no worker process outlives the supervisor; leases go back."""
+        stop_groups([s.proc for s in self.slots.values() if s.proc is not None], 0.0, sig=signal.SIGKILL)
         for s in list(self.slots.values()):
-            if s.proc is not None and s.proc.poll() is None:
-                _signal_group(s.proc, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    s.proc.wait(timeout=2.0)
-            if s.proc is not None:
-                _signal_group(s.proc, signal.SIGKILL)
             self._drop(s)
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +12,7 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 
-from buffer import heartbeats, shards
+from buffer import heartbeats, procs, shards
 from buffer.config import ShardRLConfig
 from buffer.run import Run
 from shardrl.runs import init_run
@@ -24,8 +22,9 @@ T = TypeVar("T")
 
 
 def make_run(root: Path, model_dir: Path, **sections: dict[str, Any]) -> Run:
-    """A run on ``model_dir`` whose config is the defaults updated section by section (one level deep)."""
-    data: dict[str, Any] = {"model": {"path": str(model_dir)}}
+    """A run on ``model_dir`` (the digit task's reward unless given) whose config is the defaults updated section by
+    section (one level deep)."""
+    data: dict[str, Any] = {"model": {"path": str(model_dir)}, "reward": {"function": "max_digit"}}
     for name, values in sections.items():
         sub = dict(values)
         for k, v in list(sub.items()):
@@ -47,16 +46,18 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float, every: float
 
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A rollout process (``python -m ...``) from the repository root in its own process group, output in ``log``."""
-    with open(log, "ab") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", *args],
-            cwd=ROOT,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            start_new_session=True,
-        )
+    """A rollout process (``python -m ...``) from the repository root in its own process group, output in ``log``.
+
+    The repository root is on PYTHONPATH, so that workers (started in safe-path mode) can import the tests' reward
+    functions, as a user's own reward module must be importable on the rollout nodes.
+    """
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return procs.start_group(
+        [sys.executable, "-m", *args],
+        log,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})},
+    )
 
 
 def tail(path: Path, n: int = 40) -> str:
@@ -92,17 +93,11 @@ def children(pid: int) -> list[tuple[int, str]]:
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
-    """Stop a test's process if it still runs (SIGTERM, then SIGKILL), and anything left in its process group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode
+    """Stop a test's process if it still runs (SIGTERM to it, SIGKILL to its group at the deadline).
+
+    Only the leader gets the SIGTERM, as from a person's ``kill``: a supervisor drains its workers itself.
+    """
+    return procs.stop_groups([proc], timeout, leader_only=True)[0]
 
 
 def worker(run: Run, worker_id: str) -> dict[str, Any]:

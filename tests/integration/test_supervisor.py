@@ -3,26 +3,31 @@
 Elastic scale through ``echo ... > RUN/control.json``, a rejected command that disturbs nobody, scale-down draining
 the highest slot, a SIGKILLed worker restarted, SIGTERM draining everything within the deadline with no partial
 shard and no orphan process; two supervisors splitting the desired count without overlap, pausing at the backlog
-bound, and one taking over the other's slots after it was SIGKILLed; a crash loop giving the slot up; and the
-one-line errors of a bad prompts file, a missing model and an unknown reward function.
+bound, and one taking over the other's slots after it was SIGKILLed; a SIGSTOPped supervisor whose worker stops by
+itself before another supervisor takes its slot over (never two publishers of one worker id); a damaged control
+generation reported without reverting the desired count; a full disk for logs and status records survived; a crash
+loop giving the slot up; and the one-line errors of a bad prompts file, a missing model and an unknown reward function.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from buffer import control, heartbeats, shards
-from buffer.fsio import write_json_atomic
+from buffer import control, heartbeats, plans, shards
+from buffer.fsio import create_json_exclusive
 from buffer.run import Run
 from buffer.status import snapshot
 from rollout_worker.supervisor import worker_log
@@ -121,6 +126,14 @@ def _sigterm_and_check(run: Run, sup: subprocess.Popen, worker_pids: set[int], l
     assert assert_ready_shards_valid(run, N) > 0
 
 
+def _consume(run: Run, trainer: plans.PlanLog, step: int) -> None:
+    """What a trainer step does to the backlog: a plan that consumes every ready sample not consumed yet."""
+    done = plans.consumed_ids(plans.valid_plans(run.layout).values())
+    names = [s.name for s in shards.list_ready(run.layout)]
+    ids = [i for n in names for i in shards.sample_ids(run.layout, n) if i not in done]
+    trainer.write_plan(step, names, ids)
+
+
 def _kill_all(pids: set[int]) -> None:
     for p in pids:
         if alive(p):
@@ -155,11 +168,39 @@ def test_scale_by_control_file_restart_and_drain(model: Path, tmp_path: Path) ->
             return (
                 worker(run, "w2").get("state") == "stopped"
                 and not alive(pids[2])
-                and not run.layout.lease(2).exists()
+                and 2 not in control.all_leases(run.layout)
                 and _running(run, sup, {0, 1}, log) == {0: pids[0], 1: pids[1]}
             )
 
         wait_for("w2 drained", drained, 60)
+
+        # the newest control generation damaged on disk: reported, the desired count kept, the loop still turning;
+        # a command echoed meanwhile waits, and applies once the generation is restored
+        newest = run.layout.control_generation(control.read_state(run.layout).generation)
+        good = newest.read_bytes()
+        newest.write_text('{"desired": 9, "hist')
+        _echo(run, '{"action":"set","count":2}')
+        problem = wait_for("the problem reported", lambda: _record(run, sup).get("control_problem"), 20)
+        assert newest.name in problem
+        beat = _record(run, sup)["beat"]
+        wait_for("more status beats", lambda: _record(run, sup)["beat"] >= beat + 3, 20)
+        assert _record(run, sup)["desired"] == 2 and _running(run, sup, {0, 1}, log) == {
+            0: pids[0],
+            1: pids[1],
+        }
+        assert sorted(os.listdir(run.layout.control_dir))[-1] == newest.name  # nothing committed on top
+        newest.write_bytes(good)
+        wait_for("the repair noticed", lambda: _record(run, sup).get("control_problem") is None, 20)
+        state = wait_for(
+            "the waiting command applied",
+            lambda: (
+                (s := control.read_state(run.layout)).last_applied
+                and s.last_applied["command"] == {"action": "set", "count": 2}
+                and s
+            ),
+            20,
+        )
+        assert state.desired == 2 and _running(run, sup, {0, 1}, log) == {0: pids[0], 1: pids[1]}
 
         # a worker killed outright is restarted
         os.kill(pids[1], signal.SIGKILL)
@@ -173,10 +214,18 @@ def test_scale_by_control_file_restart_and_drain(model: Path, tmp_path: Path) ->
         assert now[0] == pids[0] and _record(run, sup)["workers"]["1"]["restarts"] == 1
         wait_for("samples from the restarted w1", lambda: worker(run, "w1").get("samples", 0) > 0, 60)
 
-        # another holder overwrites slot 1's lease (as if we had looked dead): our w1 stops; the intruder never
+        # another supervisor takes slot 1 over (as if we had looked dead): our w1 stops; the intruder never
         # renews, so after the lease timeout the slot is reclaimed and a new w1 starts
-        intruder = {"slot": 1, "holder": "intruder", "counter": 10**6, "host": "elsewhere", "pid": 1}
-        write_json_atomic(run.layout.lease(1), intruder)
+        gen = control.read_lease(run.layout, 1)["generation"] + 1
+        intruder = {
+            "slot": 1,
+            "generation": gen,
+            "holder": "intruder",
+            "counter": 1,
+            "host": "elsewhere",
+            "pid": 1,
+        }
+        assert create_json_exclusive(run.layout.lease(1, gen), intruder)
         wait_for("w1 stopped", lambda: not alive(now[1]), 30)
         again = wait_for(
             "w1 back", lambda: (p := _running(run, sup, {0, 1}, log)) and p[1] != now[1] and p, 60
@@ -194,7 +243,13 @@ def test_scale_by_control_file_restart_and_drain(model: Path, tmp_path: Path) ->
 @pytest.mark.slow
 def test_two_supervisors_share_pause_at_backlog_and_take_over(model: Path, tmp_path: Path) -> None:
     bound = 40
-    run = _run(tmp_path / "run", model, run={"initial_workers": 3}, rollout={"max_backlog_samples": bound})
+    run = _run(
+        tmp_path / "run",
+        model,
+        run={"initial_workers": 3},
+        rollout={"max_backlog_samples": bound},
+        trainer={"samples_per_step": bound},
+    )
     log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
     a = _supervise(run, 2, log_a)
     b: subprocess.Popen | None = None
@@ -220,15 +275,16 @@ def test_two_supervisors_share_pause_at_backlog_and_take_over(model: Path, tmp_p
         assert bound < held <= bound + 3 * per_worker_slack
         assert {worker(run, f"w{k}")["paused_reason"] for k in range(3)} == {"backlog"}
 
-        # the trainer reports what it consumed: the workers resume
-        heartbeats.trainer_status(run.layout).update(state="training", consumed_samples=held)
+        # the trainer consumes what is there (a plan naming every ready sample): the workers resume
+        trainer = plans.PlanLog.claim(run.layout)
+        _consume(run, trainer, 1)
         wait_for("generation to resume", lambda: _ready(run) > held + 8, 60)
 
         # A vanishes without a word: its workers follow it, and B takes its slots after the lease timeout
         a.kill()
         a.wait()
         wait_for("A's workers gone", lambda: not any(alive(p) for p in on_a.values()), 30)
-        heartbeats.trainer_status(run.layout).update(consumed_samples=_ready(run))
+        _consume(run, trainer, 2)
         now = wait_for("B on all slots", lambda: _running(run, b, {0, 1, 2}, log_b), 90)
         assert now[2] == on_b[2]
         seen |= set(now.values())
@@ -263,9 +319,9 @@ def test_crash_loop_fails_the_worker_and_frees_its_slot(model: Path, tmp_path: P
             "the failure in the supervisor's record", lambda: _record(run, sup).get("failed_slots"), 10
         )
         assert rec == {"0": "engine exploded: simulated crash"}
-        assert not run.layout.lease(0).exists()
+        assert not control.all_leases(run.layout)
         time.sleep(1.5)  # the slot is left for other nodes, not retaken here
-        assert _record(run, sup)["slots"] == [] and not run.layout.lease(0).exists()
+        assert _record(run, sup)["slots"] == [] and not control.all_leases(run.layout)
         assert stop(sup) == 0
     finally:
         stop(sup)
@@ -307,26 +363,45 @@ def _cli(*args: str, module: str = "rollout_worker") -> subprocess.CompletedProc
 
 
 def test_user_errors_are_one_line(model: Path, tmp_path: Path) -> None:
-    bad_json = tmp_path / "bad.jsonl"
-    bad_json.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
-    no_field = tmp_path / "nofield.jsonl"
-    no_field.write_text('{"question": "1+1=", "answer": "2"}\n')
+    """Each run is valid when made (``shardrl init`` checks all this too), then broken the way a user might."""
+
+    def prompts(name: str) -> Path:
+        path = tmp_path / name
+        path.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+        return path
+
+    def bad_reward(run: Run) -> None:
+        cfg = json.loads(run.layout.config_json.read_text())
+        cfg["reward"]["function"] = "nope"
+        run.layout.config_json.write_text(json.dumps(cfg))
+
+    gone, bad, no_field = prompts("nope.jsonl"), prompts("bad.jsonl"), prompts("nofield.jsonl")
     gone_model = tmp_path / "gone_model"
     shutil.copytree(model, gone_model)
-    file_data = {"task": "file"}
-    cases = {
+    cases: dict[str, tuple[dict[str, Any], Callable[[Run], Any], list[str]]] = {
         "missing prompts file": (
-            {"data": {**file_data, "prompts_file": str(tmp_path / "nope.jsonl")}},
+            {"data": {"task": "file", "prompts_file": str(gone)}},
+            lambda run: gone.unlink(),
             ["nope.jsonl", "prompts file not found", "JSONL", "Parquet"],
         ),
-        "bad JSON line": ({"data": {**file_data, "prompts_file": str(bad_json)}}, ["bad.jsonl", "line 2"]),
+        "bad JSON line": (
+            {"data": {"task": "file", "prompts_file": str(bad)}},
+            lambda run: bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n'),
+            ["bad.jsonl", "line 2"],
+        ),
         "missing field": (
-            {"data": {**file_data, "prompts_file": str(no_field)}},
+            {"data": {"task": "file", "prompts_file": str(no_field)}},
+            lambda run: no_field.write_text('{"question": "1+1=", "answer": "2"}\n'),
             ["nofield.jsonl", "line 1", "'prompt' missing", "question"],
         ),
-        "missing model": ({"model_dir": gone_model}, ["gone_model", "not found"]),
+        "missing model": (
+            {"model_dir": gone_model},
+            lambda run: shutil.rmtree(gone_model),
+            ["gone_model", "not found"],
+        ),
         "unknown reward": (
-            {"reward": {"function": "nope"}},
+            {},
+            bad_reward,
             [
                 "reward.function",
                 "'nope'",
@@ -335,12 +410,11 @@ def test_user_errors_are_one_line(model: Path, tmp_path: Path) -> None:
             ],
         ),
     }
-    for i, (name, (sections, expected)) in enumerate(cases.items()):
+    for i, (name, (sections, damage, expected)) in enumerate(cases.items()):
         sections = dict(sections)
         model_dir = sections.pop("model_dir", model)
         run = _run(tmp_path / f"run{i}", model_dir, **sections)
-        if model_dir == gone_model:
-            shutil.rmtree(gone_model)
+        damage(run)
         for module in ("rollout_worker", "rollout_worker.worker"):
             extra = ["--slot", "0"] if module == "rollout_worker.worker" else []
             p = _cli("--run", str(run.layout.root), *extra, module=module)
@@ -374,7 +448,7 @@ def test_local_devices_one_worker_per_gpu_group_or_cpu_share(monkeypatch: pytest
     from rollout_worker.supervisor import local_devices
 
     def cfg(**rollout: Any) -> ShardRLConfig:
-        return ShardRLConfig.model_validate({"rollout": rollout})
+        return ShardRLConfig.model_validate({"rollout": rollout, "reward": {"function": "max_digit"}})
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
     gpus = local_devices(cfg(engine="hf"))
@@ -393,3 +467,119 @@ def test_local_devices_one_worker_per_gpu_group_or_cpu_share(monkeypatch: pytest
     if len(os.sched_getaffinity(0)) >= 2:
         assert env0["VLLM_CPU_OMP_THREADS_BIND"] != env1["VLLM_CPU_OMP_THREADS_BIND"]  # own cores each
     assert cpu.env(0, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"})["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def _shards_by_incarnation(run: Run, worker_id: str) -> dict[str, list[float]]:
+    """incarnation -> mtimes of the ready shards it published."""
+    out: dict[str, list[float]] = {}
+    for s in shards.list_ready(run.layout):
+        if s.worker_id == worker_id:
+            out.setdefault(s.incarnation, []).append(run.layout.ready_shard(s.name).stat().st_mtime)
+    return out
+
+
+@pytest.mark.slow
+def test_a_stalled_supervisors_worker_stops_before_another_supervisor_takes_its_slot(
+    model: Path, tmp_path: Path
+) -> None:
+    timeout_s = 6.0
+    run = _run(tmp_path / "run", model, run={"initial_workers": 1, "lease_timeout_s": timeout_s})
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = _supervise(run, 1, log_a)
+    b: subprocess.Popen | None = None
+    old = 0
+    try:
+        old = wait_for("w0 on A", lambda: _running(run, a, {0}, log_a), 90)[0]
+        old_inc = worker(run, "w0")["incarnation"]
+        wait_for("shards of A's w0", lambda: _shards_by_incarnation(run, "w0").get(old_inc), 60)
+        b = _supervise(run, 1, log_b)
+        wait_for("B up, with no slot", lambda: _record(run, b).get("state") == "running", 60)
+        assert _record(run, b)["slots"] == []
+
+        os.kill(a.pid, signal.SIGSTOP)  # A stalls: it renews nothing and can stop nobody
+        b_id = _record(run, b)["id"]
+
+        def b_holds() -> bool:
+            return control.all_leases(run.layout).get(0, {}).get("holder") == b_id
+
+        while not b_holds():  # by the time B can take the slot over, A's worker has stopped by itself
+            assert b.poll() is None, tail(log_b)
+            time.sleep(0.05)
+        assert not alive(old), "A's worker still runs while B takes its slot over"
+        wlog = worker_log(run.layout, "w0").read_text()
+        assert "not renewed for 3s (lease_timeout_s / 2)" in wlog and "stopping without publishing" in wlog
+
+        new = wait_for("w0 on B", lambda: _running(run, b, {0}, log_b), 90)[0]
+        new_inc = worker(run, "w0")["incarnation"]
+        published = wait_for(
+            "shards of B's w0", lambda: (m := _shards_by_incarnation(run, "w0")).get(new_inc) and m, 60
+        )
+        assert new != old and new_inc != old_inc and set(published) == {old_inc, new_inc}
+        assert max(published[old_inc]) < min(published[new_inc])  # never two publishers of w0 at once
+
+        # A comes back: it finds the slot taken, and neither restarts its worker nor disturbs B's
+        os.kill(a.pid, signal.SIGCONT)
+        wait_for(
+            "A without slots",
+            lambda: _record(run, a).get("slots") == [] and "lost the lease" in log_a.read_text(),
+            30,
+        )
+        time.sleep(1.0)
+        assert _running(run, b, {0}, log_b) == {0: new} and _record(run, a)["slots"] == []
+        assert len(_shards_by_incarnation(run, "w0")) == 2
+        assert stop(a) == 0
+        _sigterm_and_check(run, b, {old, new}, log_b)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(a.pid, signal.SIGCONT)
+        stop(a)
+        if b is not None:
+            stop(b)
+        _kill_all({old} if old else set())
+
+
+def _fill(path: Path) -> None:
+    """Write zeros into ``path`` until its file system is full."""
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+
+
+@pytest.mark.slow
+def test_a_full_disk_for_logs_and_status_does_not_stop_the_supervisor(model: Path, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    run = _run(tmp_path / "run", model, run={"initial_workers": 1})
+    small = [run.layout.logs, run.layout.supervisor_status_dir]  # the log header and the status record
+    mounted: list[Path] = []
+    sup: subprocess.Popen | None = None
+    try:
+        for d in small:
+            if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)]).returncode != 0:
+                pytest.skip("cannot mount a tmpfs here")
+            mounted.append(d)
+            _fill(d / "filler")
+        log = tmp_path / "supervisor.log"
+        sup = _supervise(run, 1, log)
+        wait_for(
+            "both writes to fail",
+            lambda: all(
+                w in log.read_text() for w in ("starting w0 failed", "writing the status record failed")
+            ),
+            60,
+        )
+        time.sleep(1.0)  # it keeps retrying, and keeps running
+        assert sup.poll() is None, tail(log)
+        assert not heartbeats.read_workers(run.layout)  # no worker could start without its log
+        for d in small:
+            (d / "filler").unlink()
+        rec = wait_for("a status record", lambda: _record(run, sup), 30)
+        assert "[Errno 28] No space left on device" in rec["last_error"]
+        pid = wait_for("w0 started once there is room", lambda: _running(run, sup, {0}, log), 90)[0]
+        _sigterm_and_check(run, sup, {pid}, log)
+    finally:
+        if sup is not None:
+            stop(sup)
+        for d in mounted:
+            subprocess.run(["umount", "-l", str(d)], check=False)

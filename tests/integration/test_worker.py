@@ -8,7 +8,8 @@ ones), with ``policy_version`` moving from 0 to 1.  Tied and untied embeddings b
 a killed engine process (exit non-zero, the error in its status record).  The transformers cases also check that a
 damaged published version is skipped with one log line while the worker goes on, that a worker more than
 ``max_staleness`` versions behind starts no batch until a newer version loads, that a reward function that raises
-drops whole groups, counted, without stopping the worker, and that a reward model's score is added.
+drops whole groups, counted, without stopping the worker, and that a reward model's score is added.  Last, SIGTERM
+once or twice while vLLM's engine is loading ends the worker at once with state ``stopped``, cleanly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from buffer.layout import RunLayout
 from buffer.run import Run
 
 from ._rollout_helpers import (
+    alive,
     assert_ready_shards_valid,
     children,
     make_run,
@@ -170,8 +172,9 @@ def test_worker_logprobs_match_transformers_and_follow_hot_reload(
             "weights_poll_s": 0.2,
             "max_backlog_samples": 1_000_000,
             "sampling": {"n": N, "temperature": TEMPERATURE, "max_response_length": 6},
-            "vllm": {"max_model_len": 64, "cpu_kvcache_space_gib": 1.0},
+            **({"vllm": {"max_model_len": 64, "cpu_kvcache_space_gib": 1.0}} if engine == "vllm" else {}),
         },
+        data={"max_prompt_length": 32},
     )
     log = tmp_path / "worker.log"
     proc = spawn(["rollout_worker.worker", "--run", str(run.layout.root), "--slot", "0"], log)
@@ -248,3 +251,45 @@ def _check_engine_crash(run: Run, proc: Any, log: Path) -> None:
     assert proc.returncode not in (0, 2), tail(log)
     w = worker(run, "w0")
     assert w["state"] == "failed" and w["last_error"], w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [1, 2], ids=["term", "term-twice"])
+def test_signals_while_the_engine_loads_end_in_stopped(
+    signals: int, models: dict[bool, Path], tmp_path: Path
+) -> None:
+    """SIGTERM (once, or twice in a row) while vLLM's engine core is starting: the worker leaves at once, its status
+    record says ``stopped``, and it leaves no temporary, no traceback and no engine process behind."""
+    pytest.importorskip("vllm")
+    run = make_run(
+        tmp_path / "run",
+        models[False],
+        run={"heartbeat_interval_s": 0.5},
+        data={"max_prompt_length": 32},
+        rollout={
+            "engine": "vllm",
+            "sampling": {"n": N, "max_response_length": 6},
+            "vllm": {"max_model_len": 64, "cpu_kvcache_space_gib": 1.0},
+        },
+    )
+    log = tmp_path / "worker.log"
+    proc = spawn(["rollout_worker.worker", "--run", str(run.layout.root), "--slot", "0"], log)
+    try:
+        # the engine is loading once the worker says so and its engine core process exists
+        wait_for("loading", lambda: worker(run, "w0").get("state") == "loading", 120, every=0.05)
+        engine = wait_for(
+            "the engine core",
+            lambda: [p for p, cmd in children(proc.pid) if "spawn_main" in cmd],
+            120,
+            every=0.05,
+        )
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, tail(log)
+        w = worker(run, "w0")
+        assert w["state"] == "stopped" and w["pid"] == proc.pid and w["samples"] == 0, w
+        assert not [p for p in run.layout.root.rglob(".tmp.*")]
+        assert "Traceback" not in log.read_text(), tail(log)
+        assert not [p for p in engine if alive(p)]
+    finally:
+        stop(proc)
