@@ -21,9 +21,13 @@ Prints per path the step time, tokens/s (all tokens of all ranks), MFU (6 * para
 ``--response-min`` and ``--response-max`` (32..4096 by default: as many sequences under 128 tokens as between 1024 and
 4096), after the same ``--prompt-len``, until the step holds as many real tokens as the uniform step
 (``--samples-per-rank`` x ``--seq-len`` per rank).  It prints the padding fraction of one right-padded batch, of the
-length-sorted padded micro-batches (``trainer.packing = false``) and of the packed ones, then times the trainer step
-on the uniform samples, on the long-tailed ones packed and on them padded, and reports real tokens/s and the ratio
-long-tailed packed / uniform (target >= 0.9).
+length-sorted padded micro-batches (``trainer.packing = false``) and of the packed ones, with the micro-batch count
+of the busiest rank, then times the trainer step on the uniform samples, on the long-tailed ones packed and on them
+padded, and reports real tokens/s and the ratio long-tailed packed / uniform (target >= 0.9).  The uniform step fills
+its micro-batches exactly when the tokens per rank are a multiple of the budget (the default shapes); the long-tailed
+one then needs one more, nearly empty, micro-batch wherever a rank's share exceeds that multiple, and with several
+ranks that costs a pass over all FSDP units (measured on 2 x H200 at the 1.5B shape: ~0.26 s, the same as a uniform
+step with one sample more).  ``--microbatch-tokens`` a little above the multiple compares at equal counts.
 """
 
 from __future__ import annotations
@@ -147,21 +151,21 @@ def make_longtail_samples(args: argparse.Namespace, world: int, vocab: int) -> l
     return out
 
 
-def padding_fractions(cfg: Any, samples: list[Any], world: int) -> dict[str, float]:
-    """Share of padding in the model's input: one right-padded batch of the step, the trainer's padded micro-batches
-    (length-sorted, within the budget as rows x longest) and its packed ones, over all ranks."""
+def microbatch_shares(cfg: Any, samples: list[Any], world: int, packed: bool) -> tuple[float, int]:
+    """(share of padding in the model's input, micro-batches of the busiest rank) as the trainer splits ``samples``.
+
+    Every rank runs as many micro-batches as the busiest one, and each costs a pass over all FSDP units whatever
+    it holds, so that count matters as much as the padding."""
     from trainer.data import assign_to_ranks, microbatches
 
-    real = sum(s.length for s in samples)
-    budget = cfg.trainer.max_tokens_per_microbatch
-    out = {"one padded batch": 1 - real / (len(samples) * max(s.length for s in samples))}
-    for name, packed in (("padded micro-batches", False), ("packed micro-batches", True)):
-        seen = 0
-        for mine in assign_to_ranks(samples, world):
-            for mb in microbatches(mine, budget, packed=packed):
-                seen += sum(s.length for s in mb) if packed else len(mb) * max(s.length for s in mb)
-        out[name] = 1 - real / seen
-    return out
+    seen, counts = 0, []
+    for mine in assign_to_ranks(samples, world):
+        mbs = microbatches(mine, cfg.trainer.max_tokens_per_microbatch, packed=packed)
+        seen += sum(
+            sum(s.length for s in mb) if packed else len(mb) * max(s.length for s in mb) for mb in mbs
+        )
+        counts.append(len(mbs))
+    return 1 - sum(s.length for s in samples) / seen, max(counts)
 
 
 def bare_batches(cfg: Any, samples: list[Any], device: Any) -> list[dict[str, Any]]:
@@ -314,8 +318,15 @@ def longtail_paths(args: argparse.Namespace, vocab: int, world: int) -> list[Tim
             f"uniform: {len(uniform)} x {args.seq_len}",
             flush=True,
         )
-        for name, frac in padding_fractions(packed, longtail, world).items():
-            print(f"padding fraction, {name:22s} {100 * frac:5.1f}%", flush=True)
+        one_batch = 1 - sum(s.length for s in longtail) / (len(longtail) * max(s.length for s in longtail))
+        print(f"longtail padding fraction: one right-padded batch {100 * one_batch:.1f}%", flush=True)
+        for name, cfg, samples in (
+            ("padded", padded, longtail),
+            ("packed", packed, longtail),
+            ("uniform", packed, uniform),
+        ):
+            frac, n = microbatch_shares(cfg, samples, world, cfg.trainer.packing)
+            print(f"{name:8s} micro-batches: padding {100 * frac:5.1f}%, {n} on the busiest rank", flush=True)
     return [
         ("trainer step, uniform", uniform, lambda: run_trainer(args, packed, uniform)),
         ("trainer step, longtail packed", longtail, lambda: run_trainer(args, packed, longtail)),

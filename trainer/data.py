@@ -209,23 +209,38 @@ def assign_to_ranks(samples: list[Sample], world: int) -> list[list[Sample]]:
 
 
 def microbatches(samples: list[Sample], max_tokens: int, *, packed: bool = True) -> list[list[Sample]]:
-    """Length-sorted micro-batches within a budget of ``max_tokens``; a longer sample goes alone.
+    """Micro-batches within a budget of ``max_tokens``; a longer sample goes alone.
 
-    Packed micro-batches count real tokens (the sum of the lengths); padded ones count rows x longest row.
+    Packed micro-batches count real tokens (the sum of the lengths) and are filled first-fit in decreasing length
+    order, which comes within a micro-batch of the fewest possible; every micro-batch costs a pass over all FSDP
+    units, and in the last one the ranks wait for the busiest.  Padded ones count rows x longest row, so they hold
+    samples of similar length: consecutive in increasing length order.
     """
+    if packed:
+        return _first_fit_decreasing(samples, max_tokens)
     out: list[list[Sample]] = []
     cur: list[Sample] = []
-    used = 0
     for s in sorted(samples, key=lambda s: s.length):
-        size = used + s.length if packed else (len(cur) + 1) * s.length
-        if cur and size > max_tokens:
+        if cur and (len(cur) + 1) * s.length > max_tokens:
             out.append(cur)
-            cur, size = [], s.length
+            cur = []
         cur.append(s)
-        used = size
     if cur:
         out.append(cur)
     return out
+
+
+def _first_fit_decreasing(samples: list[Sample], max_tokens: int) -> list[list[Sample]]:
+    bins: list[list[Sample]] = []
+    loads: list[int] = []
+    for s in sorted(samples, key=lambda s: (-s.length, s.sample_id)):
+        i = next((i for i, load in enumerate(loads) if load + s.length <= max_tokens), len(bins))
+        if i == len(bins):
+            bins.append([])
+            loads.append(0)
+        bins[i].append(s)
+        loads[i] += s.length
+    return bins
 
 
 # Batch entries that stay on the host: Python-side sizes the attention splits on (a device copy would cost a sync).

@@ -372,6 +372,11 @@ def head_logprobs_and_entropy(
         ents.append(en)
     zeros = torch.zeros(want.shape, dtype=torch.float32, device=hidden.device)
     if not logps:
+        if grad:
+            # Nothing wanted: an empty micro-batch that keeps this rank in step with the others.  Its backward must
+            # still reach every parameter the others' does (the head too), or FSDP's gradient reduction differs.
+            anchor = hidden.sum() + weight.sum() + (bias.sum() if bias is not None else 0.0)
+            zeros = zeros + 0.0 * anchor.float()
         return zeros, zeros.clone()
     return zeros.masked_scatter(want, torch.cat(logps)), zeros.masked_scatter(want, torch.cat(ents))
 

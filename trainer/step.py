@@ -176,7 +176,8 @@ def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[
     for part in split_updates(samples, t.updates_per_step):
         mine = assign_to_ranks(part, tdist.world())[tdist.rank()]
         mbs = _padded_microbatches(mine, t.max_tokens_per_microbatch, t.packing)
-        batches = [_batch(mb, pad_id, device, samples[0], t.packing) for mb in mbs]
+        shortest = min(samples, key=lambda s: s.length)  # the stand-in of empty micro-batches: cheapest
+        batches = [_batch(mb, pad_id, device, shortest, t.packing) for mb in mbs]
         tokens = [sum(len(s.response_ids) for s in mb) for mb in mbs]
         out.append(MiniBatch(mine, batches, tokens, _counts(mine)))
     return out

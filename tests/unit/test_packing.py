@@ -217,6 +217,22 @@ def test_train_step_packed_equals_padded(
     _assert_grads_close(grads[1], grads[0])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_empty_microbatch_backward_reaches_every_parameter(tiny_model_untied: Path, packed: bool) -> None:
+    """A rank with fewer micro-batches runs masked-out ones; their backward must give every parameter a (zero)
+    gradient, as the other ranks' does, or FSDP reduces different sets of gradients on different ranks."""
+    actor = _actor(tiny_model_untied)
+    batch = collate(_samples(actor.config.vocab_size)[:2], 0, packed=packed)
+    batch["response_mask"].zero_()
+    logp, ent = batch_logprobs(actor, batch)
+    assert logp.requires_grad and (logp == 0).all() and (ent == 0).all()
+    (logp.sum() + ent.sum()).backward()
+    grads = dict(actor.named_parameters())
+    assert all(p.grad is not None and (p.grad == 0).all() for p in grads.values()), (
+        "a parameter got no gradient"
+    )
+
+
 def test_attention_across_sequences_would_show(tiny_model_untied: Path) -> None:
     """The comparisons above can fail: one causal attention over the whole packed row (positions still restarting)
     moves the later sequences' logprobs far beyond the tolerance."""

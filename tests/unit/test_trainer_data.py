@@ -132,14 +132,20 @@ def test_packed_microbatches_count_real_tokens_only() -> None:
     samples = _varied(1)
     mbs = microbatches(samples, max_tokens=100)
     assert sorted(s.sample_id for mb in mbs for s in mb) == sorted(s.sample_id for s in samples)
-    sizes = [sum(s.length for s in mb) for mb in mbs]
-    assert all(n <= 100 for n in sizes[:-1]) and [s.sample_id for s in mbs[-1]] == ["huge"]
-    # Greedy in length order: a micro-batch closes only when the next sample would not fit.
-    for mb, nxt in zip(mbs, mbs[1:], strict=False):
-        assert sum(s.length for s in mb) + nxt[0].length > 100
-    real = sum(s.length for s in samples)
+    assert [s.sample_id for s in mbs[0]] == ["huge"]  # longest first, alone
+    assert all(sum(s.length for s in mb) <= 100 for mb in mbs[1:])
+    real = sum(s.length for s in samples[:-1])
+    assert len(mbs) - 1 == -(-real // 100)  # here first-fit decreasing reaches the fewest possible
     assert len(mbs) < len(microbatches(samples, max_tokens=100, packed=False))
-    assert len(mbs) <= real // 100 + 3
+    assert mbs == microbatches(list(reversed(samples)), max_tokens=100)  # deterministic, order-independent
+
+
+def test_packed_microbatches_fill_first_fit_not_in_length_order() -> None:
+    # In increasing length order 40+40 would close a micro-batch and leave each 60 alone: three instead of two.
+    samples = [_s("a", "g", prompt=30, resp=30), _s("b", "g", prompt=30, resp=30)]
+    samples += [_s("c", "g", prompt=20, resp=20), _s("d", "g", prompt=20, resp=20)]
+    mbs = microbatches(samples, max_tokens=100)
+    assert [[s.sample_id for s in mb] for mb in mbs] == [["a", "c"], ["b", "d"]]
 
 
 def test_collate_aligns_response_tokens_logprobs_and_advantages() -> None:
