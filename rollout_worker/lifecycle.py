@@ -170,6 +170,20 @@ class Lifecycle:
             os._exit(code)
 
 
+def leave(code: int) -> NoReturn:
+    """The end of a worker process whose work is done and recorded: no interpreter teardown.
+
+    Tearing down torch, transformers and an engine can take seconds, during which no thread of ours runs any more;
+    a worker that must be gone by a deadline (its lease) cannot afford that, and nothing is left to clean up.
+    """
+    with contextlib.suppress(Exception):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    stop_children(CHILD_GRACE_S)
+    os._exit(code)
+
+
 def _silence() -> None:
     """Flush what was said, then send anything this process still writes to stdout and stderr to /dev/null."""
     with contextlib.suppress(Exception):

@@ -46,7 +46,7 @@ from buffer.status import BacklogCounter
 from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import EngineError, SamplingSpec, require_model_dir
 from rollout_worker.following import WeightFollower
-from rollout_worker.lifecycle import EXIT_CRASH, EXIT_LEASE, EXIT_OK, EXIT_USER, Lifecycle
+from rollout_worker.lifecycle import EXIT_CRASH, EXIT_LEASE, EXIT_OK, EXIT_USER, Lifecycle, leave
 from rollout_worker.prompts import (
     EncodedPrompt,
     Prompt,
@@ -480,4 +480,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
