@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from rollout_worker.engines.base import (
+    ADAPTER_CONFIG,
     Completion,
     EngineError,
     SamplingSpec,
@@ -93,6 +94,7 @@ class HFEngine:
         self.base_sha256 = engine_base_hash(self.model_dir, lora_rank)
         self.peft: Any = None  # peft's PeftModel around self.model once an adapter is loaded
         self.adapter: str | None = None  # the active adapter's name
+        self._adapter_config: dict[str, Any] = {}  # and its adapter_config.json
         self._adapters = 0
         self._rng = random.Random(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -253,13 +255,20 @@ class HFEngine:
             self.model.load_state_dict(state, strict=False)
 
     def _load_adapter(self, adapter_dir: Path) -> None:
-        """Load the adapter under a new name, make it active and delete the previous one.
+        """Serve the adapter in ``adapter_dir``: copied into the active adapter's tensors when it has the same
+        config and tensors (every version of one run: no new modules), else loaded under a new name, made active,
+        and the previous one deleted.
 
         ``plan_load`` has checked its config; a failure past that point may leave half-injected layers, so it is not
         an ``EngineError`` (which keeps the worker serving) but a crash, and the supervisor restarts a clean worker.
         """
+        import json
+
         from peft import PeftModel
 
+        config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+        if self.peft is not None and config == self._adapter_config and self._copy_adapter(adapter_dir):
+            return
         self._adapters += 1
         name = f"v{self._adapters}"
         if self.peft is None:
@@ -271,7 +280,24 @@ class HFEngine:
         self.model.requires_grad_(False)
         if self.adapter is not None:
             self.peft.delete_adapter(self.adapter)
-        self.adapter = name
+        self.adapter, self._adapter_config = name, config
+
+    def _copy_adapter(self, adapter_dir: Path) -> bool:
+        """Copy the file's tensors into the active adapter in place; False (nothing copied) unless its names and
+        shapes are exactly the active adapter's."""
+        import torch
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        assert self.adapter is not None
+        live = get_peft_model_state_dict(self.peft, adapter_name=self.adapter)  # views of the live tensors
+        new = load_file(str(adapter_dir / "adapter_model.safetensors"), device=str(self.device))
+        if live.keys() != new.keys() or any(live[k].shape != new[k].shape for k in live):
+            return False
+        with torch.no_grad():
+            for k, t in new.items():
+                live[k].copy_(t)
+        return True
 
     def close(self) -> None:
         import torch

@@ -219,6 +219,42 @@ def test_vllm_serves_the_adapter_as_trained(trained: Path, tiny_model_tied: Path
         engine.close()
 
 
+def test_hf_engine_switches_adapters_in_place(trained: Path, tiny_model_untied: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from rollout_worker.engines import SamplingSpec, make_engine
+
+    model_dir, layout = Path(tiny_model_untied), RunLayout.of(trained / "run-untied")
+    second = tmp_path / "second"  # another adapter of the same shape: B doubled
+    shutil.copytree(layout.weight_version(1), second)
+    tensors = load_file(second / "adapter_model.safetensors")
+    save_file(
+        {k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}, second / "adapter_model.safetensors"
+    )
+    engine: Any = make_engine("hf", model_dir, dtype="float32", seed=0, max_model_len=128, lora_rank=RANK)
+    ids = _token_batch(384)[:, :8].tolist()
+    spec = SamplingSpec(temperature=TEMPERATURE, max_tokens=4, n=1, seed=3)
+
+    def max_diff(model: Any) -> float:
+        worst = 0.0
+        for (c,) in engine.generate(ids, spec):
+            full = torch.tensor([c.prompt_ids + c.response_ids])
+            with torch.no_grad():
+                logits = model(full).logits[0, len(c.prompt_ids) - 1 : -1].float() / TEMPERATURE
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.response_ids)[:, None]).squeeze(-1)
+            worst = max(worst, (lp - torch.tensor(c.response_logprobs)).abs().max().item())
+        return worst
+
+    engine.load_weights(layout.weight_version(1))
+    first = engine.peft
+    assert max_diff(_with_adapter(model_dir, layout.weight_version(1))) < TOL
+    engine.load_weights(second)
+    assert engine.peft is first and engine.adapter == "v1"  # copied into the live adapter, no new modules
+    assert max_diff(_with_adapter(model_dir, second)) < TOL
+    assert max_diff(_with_adapter(model_dir, layout.weight_version(1))) > 0.05
+    engine.close()
+
+
 # ----------------------------------------------------------------------------------------------- a real worker
 
 
@@ -296,6 +332,7 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_at_another_world_size(
         checkpoint_tensors,
         command,
         make_run,
+        metrics,
         run_ok,
         synth,
         trainer_args,
@@ -316,6 +353,8 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_at_another_world_size(
     model_keys = [k for k in first if k.startswith("actor.model.")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
     assert adam_steps(first, "actor") == {2}
+    # step 2's actor has trained adapters, the reference (adapters off) is the base: the KL to it is not 0
+    assert [m["step"] for m in metrics(layout)] == [1, 2] and metrics(layout)[1]["kl_ref"] > 0
     kinds = [weights.read_manifest(layout.weight_version(v)).kind for v in (1, 2)]
     assert kinds == ["adapter", "full"]  # the end of a trainer run: merged
 
