@@ -3,9 +3,10 @@
 Reasons to stop, each watched here:
   * SIGTERM/SIGINT (the supervisor draining, Slurm, Ctrl-C).  The handler only sets a flag.  Python runs handlers
     only between bytecodes of the main thread, which may sit in C code for long (an engine loading), so the signal
-    also reaches a small thread through ``signal.set_wakeup_fd``.  A first signal while running drains (the loop
-    finishes its batch and publishes); a first signal while starting or loading the engine (nothing to finish), or a
-    second signal at any time, ends the process at once.
+    also reaches a small thread through ``signal.set_wakeup_fd``.  While running, a signal drains (the loop finishes
+    its batch and publishes); more SIGTERMs change nothing, since Slurm and the supervisor may both send one, but a
+    second SIGINT (Ctrl-C pressed again) ends the process at once.  While starting or loading the engine there is
+    nothing to finish: any signal ends the process at once.
   * The supervisor gone: the kernel's parent-death signal (Linux), and a poll of the parent pid, send SIGTERM.
   * The slot's lease no longer the supervisor's, or no longer moving (the supervisor stalled): see
     ``buffer.control.LeaseWatch``.  The worker publishes nothing more from that moment and is gone at most
@@ -55,7 +56,8 @@ class Lifecycle:
         self.phase = "starting"
         self.stop_requested = False
         self.fenced: str | None = None  # why this worker may publish nothing more
-        self.signals = 0
+        self.interrupts = 0  # SIGINTs received
+        self._draining = False
         self._wake_r: int | None = None
         self._wake_w: int | None = None
         self._exiting = threading.Lock()
@@ -82,18 +84,20 @@ class Lifecycle:
                 data = os.read(self._wake_r, 64)
             except OSError:
                 return
-            n = sum(1 for b in data if b in STOP_SIGNALS)
-            if n:
-                self._signalled(n)
+            for signum in data:
+                if signum in STOP_SIGNALS:
+                    self._signalled(signum)
 
-    def _signalled(self, n: int) -> None:
-        self.signals += n
+    def _signalled(self, signum: int) -> None:
         self.stop_requested = True
-        if self.signals >= 2:
-            self.exit_now("stopped", "stopped at once on a second signal", EXIT_OK)
+        self.interrupts += signum == signal.SIGINT
+        if self.interrupts >= 2:
+            self.exit_now("stopped", "stopped at once on a second interrupt", EXIT_OK)
         if self.phase in ("starting", "loading"):
             self.exit_now("stopped", None, EXIT_OK)
-        log.info("%s: signal received: finishing the batch in flight, then stopping", self.name)
+        if not self._draining:
+            self._draining = True
+            log.info("%s: signal received: finishing the batch in flight, then stopping", self.name)
 
     # ------------------------------------------------------------------ the slot's lease
 

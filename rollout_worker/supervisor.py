@@ -339,8 +339,9 @@ class Supervisor:
         """Ask a worker to drain (SIGTERM); it is killed at the deadline.  A worker waiting for a restart just goes."""
         if s.draining and deadline is None:
             return
+        asked = s.draining  # a second SIGTERM would tell the worker to stop at once, not to drain
         s.kill_at = deadline if deadline is not None else time.monotonic() + self.cfg.rollout.drain_deadline_s
-        if s.proc is not None and s.proc.poll() is None:
+        if not asked and s.proc is not None and s.proc.poll() is None:
             # the worker alone: it finishes its batch on its engine, then closes it; the group dies at the deadline
             with contextlib.suppress(ProcessLookupError):
                 s.proc.send_signal(signal.SIGTERM)

@@ -12,7 +12,7 @@ reason ``stale``) or while the run's unconsumed backlog is above ``rollout.max_b
 
 How it ends (``lifecycle``): SIGTERM/SIGINT, or the supervisor dying, drains: the batch in flight is finished, every
 complete group is published, state ``stopped``, exit 0.  A signal while the engine is still starting, or a second
-signal, stops at once, still with state ``stopped``.  A worker whose slot's lease is no longer its supervisor's, or no
+Ctrl-C, stops at once, still with state ``stopped``.  A worker whose slot's lease is no longer its supervisor's, or no
 longer renewed, stops by itself without publishing anything more (exit 75).  A batch that cannot finish in time dies
 with the process when the supervisor kills it at its deadline; shards are published atomically, so nothing partial
 ever appears.
