@@ -4,14 +4,21 @@ Loaded from TOML (``shardrl init RUN --config CFG.toml``) with dotted CLI overri
 resolved config is written into the run directory, and every later process reads it from there, so a rollout job and
 a trainer job submitted separately can never disagree on the model, tokenizer, schema or algorithm.  Only the fields
 in ``PER_PROCESS_FIELDS`` may differ per process.  This module imports no torch.
+
+Rules that span fields (``RULES``: a backlog bound that lets a step fill, whole groups per step, consistent
+staleness bounds, prompt + response within the engine's context, vLLM settings only for a vLLM engine) run whenever
+a config is validated: at ``shardrl init`` and again when every process opens the run, so a config that would
+deadlock or silently waste samples never starts.  Each failure is one line naming the fields and the rule.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import tomllib
+import types
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -114,8 +121,10 @@ class ModelConfig(_Section):
         description="HF model directory, or `tiny` / `tiny-tied` to build the built-in tiny Qwen2 into the run.",
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model directory.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Dtype of the trainer's parameters as published and of the rollout engine."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Dtype of the published weights and of the rollout engine; `auto` = bfloat16 in a process "
+        "that sees CUDA, float32 on CPU.",
     )
     vocab_size: int | None = Field(
         None, ge=1, description="Filled in by `shardrl init` from the model config."
@@ -194,24 +203,31 @@ class RewardConfig(_Section):
 
 
 class SamplingConfig(_Section):
+    """How each worker samples responses."""
+
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables.")
-    max_response_length: int = Field(8, ge=1, description="Maximum generated tokens per response.")
+    max_response_length: int = Field(1024, ge=1, description="Maximum generated tokens per response.")
     n: int = Field(8, ge=1, description="Samples per prompt (one GRPO group).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (token ids keep them).")
 
 
 class VllmConfig(_Section):
+    """vLLM engine settings: accepted only with rollout.engine = "vllm" or "auto" (an hf run has none)."""
+
     dtype: str = Field("auto", description="vLLM dtype; `auto` follows model.dtype.")
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
     )
     max_model_len: int | None = Field(
-        None, ge=1, description="Context length; default prompt + response budget."
+        None,
+        ge=1,
+        description="Context length; must hold data.max_prompt_length + rollout.sampling.max_response_length "
+        "(their sum when null).",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel size of each worker's engine.")
-    enforce_eager: bool = Field(True, description="Disable CUDA graphs (faster start, slower decode).")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs (faster start, slower decode).")
     max_num_seqs: int = Field(256, ge=1, description="Maximum concurrent sequences.")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Scheduler token budget per step.")
     cpu_kvcache_space_gib: float = Field(1.0, gt=0, description="KV cache size on the CPU build (GiB).")
@@ -221,7 +237,9 @@ class RolloutConfig(_Section):
     """Rollout workers and the node supervisor."""
 
     engine: Literal["auto", "vllm", "hf"] = Field(
-        "auto", description="`auto` = vllm when it imports, else hf."
+        "auto",
+        description="`auto` = vllm when it imports, else hf.  `[rollout.vllm]` settings are accepted only with "
+        "vllm or auto; `--rollout.engine hf` on a command line drops them.",
     )
     max_local_workers: int | None = Field(
         None, ge=0, description="Worker slots per node; default: visible GPUs, or `cpu_workers` without GPUs."
@@ -249,7 +267,18 @@ class RolloutConfig(_Section):
     restart_window_s: float = Field(300.0, gt=0, description="Window for counting crash-loop restarts.")
     threads_per_worker: int | None = Field(None, ge=1, description="OMP threads per CPU worker.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    vllm: VllmConfig | None = Field(
+        None, description="vLLM settings; filled with defaults when the engine is vllm or auto, none for hf."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_section_for_vllm_engines(cls, data: Any) -> Any:
+        # The engine picks the variant: vllm/auto carry a (default) vLLM section, hf none; an hf engine *with*
+        # a vLLM section is refused by `rule_engine_settings`, so that section is kept here for it to see.
+        if isinstance(data, dict) and data.get("engine", "auto") != "hf" and data.get("vllm") is None:
+            return {**data, "vllm": {}}
+        return data
 
 
 AlgorithmName = Literal["grpo", "rloo", "reinforce_pp", "ppo"]
@@ -461,6 +490,116 @@ class ShardRLConfig(_Section):
     algorithm: Algorithm = Field(default_factory=GrpoConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> ShardRLConfig:
+        broken = [msg for rule in RULES if (msg := rule(self)) is not None]
+        if broken:
+            raise ValueError(broken[0] + (f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""))
+        return self
+
+    def context_length(self) -> int:
+        """The rollout engine's context: rollout.vllm.max_model_len when set, else the prompt + response budget."""
+        vllm = self.rollout.vllm
+        if vllm is not None and vllm.max_model_len is not None:
+            return vllm.max_model_len
+        return self.data.max_prompt_length + self.rollout.sampling.max_response_length
+
+
+# ------------------------------------------------------------------------------------------ cross-field rules
+# Each rule returns None or one line naming the fields, their values and why the combination cannot work.
+
+GROUP_ALGORITHMS = frozenset({"grpo", "rloo"})  # advantages from a group of n samples of one prompt
+
+
+def _rule_backlog_fills_a_step(cfg: ShardRLConfig) -> str | None:
+    # A worker starts a batch only while the backlog is at most max_backlog_samples, so with one worker the backlog
+    # never exceeds max_backlog_samples + one batch: below samples_per_step the trainer waits forever.
+    r, batch = cfg.rollout, cfg.rollout.prompts_per_batch * cfg.rollout.sampling.n
+    if r.max_backlog_samples + batch >= cfg.trainer.samples_per_step:
+        return None
+    return (
+        f"rollout.max_backlog_samples ({r.max_backlog_samples}) + one worker batch (rollout.prompts_per_batch x "
+        f"rollout.sampling.n = {batch}) must reach trainer.samples_per_step ({cfg.trainer.samples_per_step}), "
+        "or workers pause before a step can fill"
+    )
+
+
+def _rule_whole_groups(cfg: ShardRLConfig) -> str | None:
+    name, n, step = cfg.algorithm.name, cfg.rollout.sampling.n, cfg.trainer.samples_per_step
+    if name not in GROUP_ALGORITHMS or step % n == 0:
+        return None
+    return (
+        f"trainer.samples_per_step ({step}) must be a multiple of rollout.sampling.n ({n}) with "
+        f"algorithm.name = {name!r}: a step takes whole groups, so it would train on {-(-step // n) * n} samples"
+    )
+
+
+def _rule_staleness_bounds(cfg: ShardRLConfig) -> str | None:
+    mode = cfg.algorithm.staleness_mode
+    produce, accept = cfg.rollout.max_staleness, cfg.trainer.max_staleness
+    if mode == "drop" and produce > accept:
+        return (
+            f"rollout.max_staleness ({produce}) must not exceed trainer.max_staleness ({accept}) with "
+            "algorithm.staleness_mode = 'drop': workers would produce samples the trainer drops"
+        )
+    if mode == "keep" and cfg.algorithm.off_policy == "none":
+        return (
+            "algorithm.staleness_mode = 'keep' needs algorithm.off_policy = 'tis' or 'decoupled' to correct the "
+            "stale samples it keeps (it is 'none')"
+        )
+    return None
+
+
+def _rule_context_fits(cfg: ShardRLConfig) -> str | None:
+    prompt, response = cfg.data.max_prompt_length, cfg.rollout.sampling.max_response_length
+    context = cfg.context_length()
+    if prompt + response <= context:
+        return None
+    return (
+        f"data.max_prompt_length ({prompt}) + rollout.sampling.max_response_length ({response}) = "
+        f"{prompt + response} must fit rollout.vllm.max_model_len ({context}), the engine's context; "
+        "otherwise long prompts get cut-off responses"
+    )
+
+
+def _rule_engine_settings(cfg: ShardRLConfig) -> str | None:
+    if cfg.rollout.engine == "hf" and cfg.rollout.vllm is not None:
+        return (
+            "rollout.vllm is set but rollout.engine is 'hf', which does not use it: remove the [rollout.vllm] "
+            "section or set rollout.engine = 'vllm' or 'auto'"
+        )
+    return None
+
+
+def _rule_kl_horizon_spans_a_step(cfg: ShardRLConfig) -> str | None:
+    # The adaptive coefficient is multiplied by 1 +- 0.2 * samples_per_step / kl_horizon each step: a horizon
+    # shorter than a step would let it swing by more than 20% at once, and below 1/5 of a step turn negative.
+    a, step = cfg.algorithm, cfg.trainer.samples_per_step
+    if a.kl_target is None or a.kl_horizon >= step:
+        return None
+    return (
+        f"algorithm.kl_horizon ({a.kl_horizon:g}) must be at least trainer.samples_per_step ({step}) with "
+        "algorithm.kl_target set: the adaptive KL coefficient would change by more than 20% in one step"
+    )
+
+
+def _rule_initial_workers(cfg: ShardRLConfig) -> str | None:
+    r = cfg.run
+    if r.initial_workers <= r.max_workers:
+        return None
+    return f"run.initial_workers ({r.initial_workers}) must not exceed run.max_workers ({r.max_workers})"
+
+
+RULES = (
+    _rule_engine_settings,
+    _rule_initial_workers,
+    _rule_backlog_fills_a_step,
+    _rule_whole_groups,
+    _rule_staleness_bounds,
+    _rule_context_fits,
+    _rule_kl_horizon_spans_a_step,
+)
+
 
 # Settings a single process may change with a CLI flag without touching the run's contract.
 PER_PROCESS_FIELDS = frozenset(
@@ -481,6 +620,74 @@ PER_PROCESS_FIELDS = frozenset(
 
 class ConfigError(ValueError):
     """A user-caused configuration error; its message is one line naming the file and the field."""
+
+
+def resolve_dtype(dtype: str, cuda: bool) -> str:
+    """``model.dtype`` in one process: ``auto`` is bfloat16 where CUDA is visible, float32 on a CPU.
+
+    Resolved per process, not at `shardrl init` (often run on a login node without GPUs): a GPU trainer then
+    publishes bf16 and a GPU engine loads bf16, while the CPU demo stays in fp32.
+    """
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cuda else "float32"
+
+
+def refuse_sections(overrides: dict[str, str], sections: tuple[str, ...], prog: str, hint: str) -> None:
+    """One line for an override of a section this process never reads (it would otherwise pass unnoticed)."""
+    for key in overrides:
+        if key.split(".", 1)[0] in sections:
+            raise ConfigError(
+                f"command line: --{key} is a {key.split('.', 1)[0]} setting, which {prog} does not read; {hint}"
+            )
+
+
+def section_fields(section: str) -> list[tuple[str, Any]]:
+    """``(dotted key, pydantic field)`` of every setting under ``section`` (e.g. "trainer", "rollout"), nested
+    sections and the variants of a union included, each key once."""
+    out: dict[str, Any] = {}
+
+    def walk(models: list[type[BaseModel]], prefix: str) -> None:
+        for model in models:
+            for name, f in model.model_fields.items():
+                subs = _sections(f.annotation)
+                if subs:
+                    walk(subs, f"{prefix}.{name}")
+                else:
+                    out.setdefault(f"{prefix}.{name}", f)
+
+    walk(_sections(ShardRLConfig.model_fields[section].annotation), section)
+    return list(out.items())
+
+
+RUN_ENV = "SHARDRL_RUN"  # the run directory, for every command that takes one
+
+OVERRIDES_HELP = (
+    "Config overrides: --section.key VALUE (or --section.key=VALUE), read by the field's type: text fields take "
+    "VALUE as it is, other fields as JSON (1e-6, true, [0.9, 0.95]); null clears an optional field."
+)
+
+
+def add_run_dir_option(parser: Any, *aliases: str, required: bool = True) -> None:
+    """``--run-dir RUN`` (plus ``aliases``), defaulting to $SHARDRL_RUN: the one spelling of every command."""
+    parser.add_argument(
+        "--run-dir",
+        *aliases,
+        dest="run_dir",
+        type=Path,
+        default=os.environ.get(RUN_ENV) or None,
+        required=required and not os.environ.get(RUN_ENV),
+        metavar="RUN",
+        help=f"the run directory made by `shardrl init` (default ${RUN_ENV})"
+        + (f"; {', '.join(aliases)} is the same" if aliases else ""),
+    )
+
+
+def options_help(keys: list[tuple[str, Any]]) -> str:
+    """``--key VALUE  description (default ...)`` lines for a command's ``--help``."""
+    return "\n".join(
+        f"  --{key} VALUE  {f.description or ''} (default {_default_cell(f).strip('`')})" for key, f in keys
+    )
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
@@ -505,49 +712,196 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
-def _coerce(value: str) -> Any:
-    """CLI values are JSON when they parse as JSON (numbers, booleans, lists, null), else plain strings."""
+def split_overrides(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``--section.key VALUE`` overrides of a command line, wherever they stand, and the other arguments.
+
+    Taken out before argparse sees the line: an override's value would otherwise be read as a positional RUN.
+    """
+    picked: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            width = 1 if "=" in arg else 2
+            picked += argv[i : i + width]
+            i += width
+        else:
+            rest.append(arg)
+            i += 1
+    return parse_overrides(picked), rest
+
+
+def _members(ann: Any) -> list[Any]:
+    """The alternatives of an annotation: ``A | B``, ``Optional[A]`` and ``Annotated[...]`` unwrapped."""
+    if get_origin(ann) is Annotated:
+        return _members(get_args(ann)[0])
+    if get_origin(ann) in (Union, types.UnionType):
+        return [m for arg in get_args(ann) for m in _members(arg)]
+    return [ann]
+
+
+def _sections(ann: Any) -> list[type[BaseModel]]:
+    return [m for m in _members(ann) if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
+def field_annotations(dotted: str) -> list[Any]:
+    """The annotations of the field at ``dotted`` (several where a section is a union of models); [] if unknown."""
+    models: list[type[BaseModel]] = [ShardRLConfig]
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        models = [
+            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
+        ]
+    return [m.model_fields[leaf].annotation for m in models if leaf in m.model_fields]
+
+
+def _takes_text(ann: Any) -> bool:
+    for m in _members(ann):
+        if m is str or (get_origin(m) is Literal and any(isinstance(v, str) for v in get_args(m))):
+            return True
+    return False
+
+
+def coerce(dotted: str, raw: str) -> Any:
+    """A command-line value typed by its target field: text stays text where the field takes text
+    (``--model.tokenizer 2024`` is the string "2024"), ``null`` is None where the field allows it, and any other
+    field reads the value as JSON (``1e-6``, ``true``, ``[0.9, 0.95]``); what does not parse is left for the
+    field's validation to refuse in one line."""
+    annotations = field_annotations(dotted)
+    if raw == "null" and any(type(None) in _members(a) for a in annotations):
+        return None
+    if not annotations or any(_takes_text(a) for a in annotations):
+        return raw
     try:
-        return json.loads(value)
+        return json.loads(raw)
     except ValueError:
-        return value
+        return raw
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
+    """Set each dotted key in ``data`` (a config as TOML/JSON data).  Choosing ``rollout.engine = hf`` here drops the
+    file's vLLM section unless the same command line sets a ``rollout.vllm`` key: the command line picks another
+    engine, and the settings of the one it replaces do not apply to it."""
     for dotted, raw in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
         for p in parents:
-            node = node.setdefault(p, {})
+            if node.get(p) is None:  # a section absent, or null in a resolved config (an hf run's vllm)
+                node[p] = {}
+            node = node[p]
             if not isinstance(node, dict):
                 raise ConfigError(f"command line: --{dotted}: {p} is not a section")
-        node[leaf] = _coerce(raw)
+        node[leaf] = coerce(dotted, raw)
+    if overrides.get("rollout.engine") == "hf" and not any(k.startswith("rollout.vllm.") for k in overrides):
+        data["rollout"].pop("vllm", None)
     return data
 
 
-def _one_line(err: ValidationError, source: str) -> str:
+def _setting(loc: tuple[Any, ...]) -> str:
+    """The dotted key of an error location, without the tags pydantic adds for the variant of a union."""
+    models: list[type[BaseModel]] = [ShardRLConfig]
+    keys: list[str] = []
+    for part in map(str, loc):
+        if not any(part in m.model_fields for m in models):
+            continue  # a variant's tag, as in algorithm.grpo.clip_low
+        keys.append(part)
+        models = [
+            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
+        ]
+    return ".".join(keys)
+
+
+def _one_line(err: ValidationError, source: str, overrides: dict[str, str], override_source: str) -> str:
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e["loc"])
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{source}: field {loc}: {e['msg']}{more}"
+    if not loc and e["type"] == "value_error":  # a cross-field rule: its message names the fields itself
+        return f"{source}: {e['ctx']['error']}{more}"
+    key = _setting(e["loc"])
+    if key in overrides:  # the bad value came from the command line, not from the file
+        return f"{override_source}: --{key} {overrides[key]}: {e['msg']}{_accepted(e)}{more}"
+    return f"{source}: field {loc}: {e['msg']}{_accepted(e)}{more}"
 
 
-def validate(data: dict[str, Any], source: str) -> ShardRLConfig:
+def _accepted(e: Any) -> str:
+    """What is accepted, where pydantic's message does not say: the keys of the section an unknown key is in, the
+    type and meaning of a missing field."""
+    if e["type"] == "extra_forbidden":
+        keys = _section_keys(e["loc"][:-1])
+        return f"; accepted keys here: {', '.join(keys)}" if keys else ""
+    if e["type"] == "missing":
+        fields = _fields_at(_setting(e["loc"]))
+        if fields:
+            f = fields[0]
+            return f"; expected {_type_text(f.annotation)}" + (f": {f.description}" if f.description else "")
+    return ""
+
+
+def _section_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys of the section at ``loc`` (of the variant a union's tag in ``loc`` names)."""
+    models: list[type[BaseModel]] = [ShardRLConfig]
+    for part in map(str, loc):
+        inner = [
+            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
+        ]
+        if inner:
+            models = inner
+            continue
+        tagged = [m for m in models if "name" in m.model_fields and m.model_fields["name"].default == part]
+        models = tagged or models
+    return sorted({k for m in models for k in m.model_fields})
+
+
+def _fields_at(dotted: str) -> list[Any]:
+    models: list[type[BaseModel]] = [ShardRLConfig]
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        models = [
+            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
+        ]
+    return [m.model_fields[leaf] for m in models if leaf in m.model_fields]
+
+
+def _type_text(ann: Any) -> str:
+    parts = []
+    for m in _members(ann):
+        if get_origin(m) is Literal:
+            parts.append("one of " + ", ".join(repr(v) for v in get_args(m)))
+        elif isinstance(m, type) and issubclass(m, BaseModel):
+            parts.append(f"a section ({', '.join(m.model_fields)})")
+        else:
+            parts.append("null" if m is type(None) else getattr(m, "__name__", str(m)))
+    return " or ".join(parts)
+
+
+def validate(
+    data: dict[str, Any],
+    source: str,
+    overrides: dict[str, str] | None = None,
+    override_source: str = "command line",
+) -> ShardRLConfig:
+    """The config in ``data``; one ConfigError line naming ``source``, or the flag when an override is at fault."""
     try:
         return ShardRLConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_one_line(err, source)) from None
+        raise ConfigError(_one_line(err, source, overrides or {}, override_source)) from None
 
 
 def load_toml(path: str | Path, overrides: dict[str, str] | None = None) -> ShardRLConfig:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a config is a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return validate(apply_overrides(data, overrides or {}), str(path))
+    overrides = overrides or {}
+    return validate(apply_overrides(data, overrides), str(path), overrides)
 
 
 def flatten(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -570,9 +924,8 @@ def load_run_config(run_config_json: Path, overrides: dict[str, str] | None = No
             f"{run_config_json}: missing; create the run with `shardrl init RUN --config CFG.toml`"
         ) from None
     overrides = overrides or {}
-    cfg = validate(
-        apply_overrides(json.loads(json.dumps(base)), overrides), f"{run_config_json} + command line"
-    )
+    source = f"{run_config_json} + command line"
+    cfg = validate(apply_overrides(json.loads(json.dumps(base)), overrides), source, overrides, source)
     before, after = flatten(base), flatten(cfg.model_dump(mode="json"))
     for key in overrides:
         if key not in PER_PROCESS_FIELDS and before.get(key) != after.get(key):
@@ -584,33 +937,47 @@ def load_run_config(run_config_json: Path, overrides: dict[str, str] | None = No
     return cfg
 
 
+def _discriminator(variants: list[type[BaseModel]]) -> str | None:
+    """The field that tells the variants of a union apart: a one-value Literal in each of them."""
+    for name in variants[0].model_fields:
+        if all(
+            name in v.model_fields
+            and get_origin(v.model_fields[name].annotation) is Literal
+            and len(get_args(v.model_fields[name].annotation)) == 1
+            for v in variants
+        ):
+            return name
+    return None
+
+
+def _default_cell(f: Any) -> str:
+    return "required" if f.is_required() else f"`{json.dumps(f.get_default(call_default_factory=True))}`"
+
+
 def reference_markdown() -> str:
     """The config reference, generated from the models so that it cannot drift from the code."""
-    lines: list[str] = []
+    lines: list[str] = [
+        "Per-process settings (a process may set them on its own command line; every other key is fixed in "
+        "RUN/config.json by `shardrl init`): " + ", ".join(f"`{k}`" for k in sorted(PER_PROCESS_FIELDS)) + "."
+    ]
 
     def walk(model: type[BaseModel], prefix: str, variant: str = "") -> None:
         rows = []
         subs = []
         for name, f in model.model_fields.items():
-            ann = f.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                subs.append((name, [ann]))
+            sections = _sections(f.annotation)
+            if sections:
+                subs.append((name, sections))
                 continue
-            variants = [a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
-            if variants:  # a union of sections picked by `name`: one table per variant
-                subs.append((name, variants))
-                continue
-            default = (
-                "required" if f.is_required() else f"`{json.dumps(f.get_default(call_default_factory=True))}`"
-            )
-            rows.append(f"| `{prefix}{name}` | {default} | {f.description or ''} |")
+            rows.append(f"| `{prefix}{name}` | {_default_cell(f)} | {f.description or ''} |")
         if rows:
             lines.append(f"\n**[{prefix.rstrip('.')}]**{variant} {(model.__doc__ or '').strip()}\n")
             lines.append("| key | default | meaning |\n|---|---|---|")
             lines.extend(rows)
         for name, sections in subs:
+            key = _discriminator(sections) if len(sections) > 1 else None
             for sub in sections:
-                tag = f" name = {json.dumps(sub.model_fields['name'].default)}:" if len(sections) > 1 else ""
+                tag = f" {key} = {json.dumps(get_args(sub.model_fields[key].annotation)[0])}:" if key else ""
                 walk(sub, f"{prefix}{name}.", tag)
 
     walk(ShardRLConfig, "")

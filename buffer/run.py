@@ -132,9 +132,8 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> str:
     )
 
 
-def open_run(root: str | Path, overrides: dict[str, str] | None = None) -> Run:
-    """Open an existing run; its config comes from the run directory, plus per-process overrides."""
-    layout = RunLayout.of(root)
+def read_run_json(layout: RunLayout) -> dict[str, Any]:
+    """run.json of a run this shardrl can read; one ConfigError line otherwise."""
     meta = read_json_or_none(layout.run_json)
     if not isinstance(meta, dict):
         raise ConfigError(
@@ -144,5 +143,12 @@ def open_run(root: str | Path, overrides: dict[str, str] | None = None) -> Run:
         raise ConfigError(
             f"{layout.run_json}: field schema_version is {meta.get('schema_version')!r}; this shardrl reads {SCHEMA_VERSION}"
         )
+    return meta
+
+
+def open_run(root: str | Path, overrides: dict[str, str] | None = None) -> Run:
+    """Open an existing run; its config comes from the run directory, plus per-process overrides."""
+    layout = RunLayout.of(root)
+    meta = read_run_json(layout)
     cfg = load_run_config(layout.config_json, overrides)
     return Run(layout, cfg, str(meta["run_id"]))

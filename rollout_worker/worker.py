@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer import metrics
-from buffer.config import ConfigError, parse_overrides
+from buffer.config import ConfigError, parse_overrides, resolve_dtype
 from buffer.control import LeaseWatch
 from buffer.heartbeats import load_worker, worker_status
 from buffer.records import RecordError
@@ -72,10 +72,7 @@ def worker_id_for(slot: int) -> str:
 
 
 def max_model_len(run: Run) -> int:
-    cfg = run.config
-    return cfg.rollout.vllm.max_model_len or (
-        cfg.data.max_prompt_length + cfg.rollout.sampling.max_response_length
-    )
+    return run.config.context_length()
 
 
 def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
@@ -102,6 +99,12 @@ def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
 def vllm_options(run: Run) -> dict[str, Any]:
     vllm = run.config.rollout.vllm  # None when this process runs the hf engine
     return vllm.model_dump(exclude={"max_model_len"}) if vllm is not None else {}
+
+
+def engine_dtype(run: Run) -> str:
+    import torch
+
+    return resolve_dtype(run.config.model.dtype, cuda=torch.cuda.is_available())
 
 
 class RolloutWorker:
@@ -229,7 +232,7 @@ class RolloutWorker:
         self.engine = make_engine(
             kind,
             self.run.model_dir,
-            dtype=cfg.model.dtype,
+            dtype=engine_dtype(self.run),
             seed=derive_seed(cfg.run.seed, "engine", self.slot),
             max_model_len=max_model_len(self.run),
             vllm_options=vllm_options(self.run),

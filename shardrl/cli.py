@@ -1,57 +1,96 @@
 """`shardrl`: the umbrella command line (init, status, scale, fsck, synth, tiny-model, demo, report).
 
-Importing this module (and ``shardrl --help``) imports no torch: heavy imports happen inside the subcommands.
+Importing this module (and ``shardrl --help``) imports no torch: heavy imports happen inside the subcommands.  Every
+run command takes the run as ``--run-dir RUN`` (or ``$SHARDRL_RUN``); the positional ``RUN`` and the demo's
+``--run`` are the same option.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from buffer.config import ConfigError, load_toml, parse_overrides
+from buffer.config import (
+    OVERRIDES_HELP,
+    PER_PROCESS_FIELDS,
+    RUN_ENV,
+    ConfigError,
+    load_toml,
+    split_overrides,
+)
+
+_NO_OVERRIDES = "Takes no --section.key overrides: the run's config is RUN/config.json."
+_INIT_OVERRIDES = (
+    f"{OVERRIDES_HELP}  Here every key may be set: the result becomes the run's config.  Later processes may "
+    "change only the per-process settings: " + ", ".join(sorted(PER_PROCESS_FIELDS)) + "."
+)
+
+
+def _sub(
+    sub: Any, name: str, text: str, epilog: str = _NO_OVERRIDES, run: bool = True
+) -> argparse.ArgumentParser:
+    s = sub.add_parser(name, help=text, description=text, epilog=epilog)
+    if run:
+        s.add_argument("run_pos", nargs="?", type=Path, metavar="RUN", help="the run directory (= --run-dir)")
+        s.add_argument(
+            "--run-dir", dest="run_dir", type=Path, default=None, metavar="RUN", help=f"default ${RUN_ENV}"
+        )
+    return s
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardrl",
         description="RL post-training with rollout and training jobs that meet on shared storage.",
+        epilog=f"The run directory: RUN, --run-dir RUN or ${RUN_ENV}.  `init` and `demo` take config overrides "
+        "(--section.key VALUE); see `shardrl init --help`.",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("init", help="create a run directory from a TOML config (idempotent)")
-    s.add_argument("run", type=Path)
+    s = _sub(sub, "init", "create a run directory from a TOML config (idempotent)", _INIT_OVERRIDES)
     s.add_argument(
         "--config", type=Path, required=True, help="TOML config, e.g. deploy/configs/qwen2.5-1.5b-grpo.toml"
     )
-    s = sub.add_parser("status", help="show desired/actual workers, weights, trainer and shards")
-    s.add_argument("run", type=Path)
+    s = _sub(sub, "status", "show desired/actual workers, weights, trainer and shards")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s = sub.add_parser("scale", help="write a control command (same as echo ... > RUN/control.json)")
-    s.add_argument("run", type=Path)
+    s = _sub(
+        sub,
+        "scale",
+        "write a control command (same as echo ... > RUN/control.json), checked first against run.max_workers "
+        "and the current desired count",
+    )
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--add", type=int, metavar="N")
     g.add_argument("--remove", type=int, metavar="N")
     g.add_argument("--set", type=int, metavar="N")
-    s = sub.add_parser("fsck", help="check shards, plans, weights and leases; exit 1 on problems")
-    s.add_argument("run", type=Path)
+    s = _sub(sub, "fsck", "check shards, plans, weights and leases; exit 1 on problems")
     s.add_argument(
         "--repair", action="store_true", help="quarantine bad shards, remove abandoned temporaries"
     )
     s.add_argument(
         "--tmp-age-s", type=float, default=3600.0, help="temporaries older than this are abandoned"
     )
-    s = sub.add_parser("synth", help="write N valid synthetic shards of M samples through the real writer")
-    s.add_argument("run", type=Path)
+    s = _sub(sub, "synth", "write N valid synthetic shards of M samples through the real writer")
     s.add_argument("--shards", type=int, required=True)
     s.add_argument("--samples", type=int, required=True)
     s.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser("tiny-model", help="build the tiny Qwen2 model + tokenizer (HF format)")
+    s = _sub(sub, "tiny-model", "build the tiny Qwen2 model + tokenizer (HF format)", run=False)
     s.add_argument("out", type=Path)
     s.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     s.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser("demo", help="the CPU demo: rollout supervisor + trainer on the max-digit task")
-    s.add_argument("--run", type=Path, default=Path("runs/demo"))
+    s = _sub(sub, "demo", "the CPU demo: rollout supervisor + trainer", _INIT_OVERRIDES, run=False)
+    s.add_argument(
+        "--run-dir",
+        "--run",
+        dest="run",
+        type=Path,
+        default=Path(os.environ.get(RUN_ENV) or "runs/demo"),
+        metavar="RUN",
+        help=f"the demo's run directory (default ${RUN_ENV}, else runs/demo)",
+    )
     s.add_argument("--workers", type=int, default=1, help="workers; the 2nd joins mid-run via control.json")
     s.add_argument("--engine", choices=["vllm", "hf"], default=None)
     s.add_argument("--task", choices=["max_digit", "mod_add"], default="max_digit")
@@ -67,8 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--steps", type=int, default=None, help="trainer steps (default from the packaged demo.toml)"
     )
-    s = sub.add_parser("report", help="write PNG plots of a run's metrics into RUN/plots")
-    s.add_argument("run", type=Path)
+    s = _sub(sub, "report", "write PNG plots of a run's metrics into RUN/plots")
     s = sub.add_parser(
         "export", help="copy a published weight version out as a standalone HF model directory"
     )
@@ -85,17 +123,35 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, rest = _parser().parse_known_args(argv)
     try:
-        return _dispatch(args, parse_overrides(rest))
+        overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+        args = _parser().parse_args(rest)
+        _resolve_run(args)
+        return _dispatch(args, overrides)
     except ConfigError as e:
         print(f"shardrl: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a run directory where none can be made (read-only, under a file): the path and why
+        print(f"shardrl: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _resolve_run(args: argparse.Namespace) -> None:
+    """``args.run`` from RUN, --run-dir or $SHARDRL_RUN, for the commands that take a run."""
+    if not hasattr(args, "run_pos"):
+        return
+    pos, opt, env = args.run_pos, args.run_dir, os.environ.get(RUN_ENV)
+    if pos is not None and opt is not None and pos != opt:
+        raise ConfigError(f"command line: RUN ({pos}) and --run-dir ({opt}) name different run directories")
+    run = pos or opt or (Path(env) if env else None)
+    if run is None:
+        raise ConfigError(
+            f"command line: `shardrl {args.cmd}` needs the run directory: RUN, --run-dir RUN or ${RUN_ENV}"
+        )
+    args.run = run
 
 
 def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
-    from buffer.layout import RunLayout
-
     if overrides and args.cmd not in ("init", "demo"):
         raise ConfigError(f"command line: `shardrl {args.cmd}` takes no --section.key overrides")
     if args.cmd == "init":
@@ -116,14 +172,8 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             render(snap)
         return 0
     if args.cmd == "scale":
-        from buffer.control import write_command
-
         action = next(a for a in ("add", "remove", "set") if getattr(args, a) is not None)
-        write_command(_existing(args.run), action, getattr(args, action))
-        print(
-            f"wrote {{'action': '{action}', 'count': {getattr(args, action)}}} to {RunLayout.of(args.run).control_file}"
-        )
-        return 0
+        return _scale(args.run, action, getattr(args, action))
     if args.cmd == "fsck":
         from buffer.fsck import fsck
         from buffer.run import open_run
@@ -157,11 +207,9 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             return 0
         return run_demo(args, overrides)
     if args.cmd == "report":
-        from .report import write_report
+        from .report import main as report_main
 
-        for p in write_report(_existing(args.run)):
-            print(p)
-        return 0
+        return report_main(_existing(args.run))
     if args.cmd in ("export", "export-shards"):
         from .export import main as export_main
 
@@ -169,12 +217,48 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     raise AssertionError(args.cmd)
 
 
+def _scale(root: Path, action: str, count: int) -> int:
+    """Write a control command after the checks a supervisor would make, so a bad one fails here, not later."""
+    from buffer.control import ControlError, command_key, parse_command, read_state, write_command
+    from buffer.run import open_run
+
+    run = open_run(root)
+    state = read_state(run.layout)
+    problem = getattr(state, "problem", None)  # the newest control generation is unreadable
+    if problem:
+        raise ConfigError(str(problem))
+    cmd = {"action": action, "count": count}
+    try:
+        source = f"command line (--{action} {count})"
+        bound = run.config.run.max_workers
+        _, desired = parse_command(json.dumps(cmd).encode(), state.desired, bound, source)
+    except ControlError as e:
+        raise ConfigError(str(e)) from None
+    control = run.layout.control_file
+    try:
+        raw, st = control.read_bytes(), control.stat()
+        if command_key(raw, st) not in state.history:
+            print(
+                f"shardrl: warning: {control} holds {' '.join(raw.decode(errors='replace').split())}, which no "
+                "supervisor has applied yet; it is replaced (the desired count is computed without it)",
+                file=sys.stderr,
+            )
+    except FileNotFoundError:
+        pass
+    write_command(run.layout, action, count)
+    print(f"wrote {json.dumps(cmd)} to {control}: desired workers {state.desired} -> {desired} once applied")
+    return 0
+
+
 def _existing(run: Path):  # type: ignore[no-untyped-def]
+    """The layout of a run this shardrl can read, without judging its config (status and report show any run)."""
     from buffer.layout import RunLayout
+    from buffer.run import read_run_json
 
     layout = RunLayout.of(run)
     if not layout.run_json.exists():
         raise ConfigError(f"{layout.run_json}: missing; is {run} a run directory (`shardrl init`)?")
+    read_run_json(layout)
     return layout
 
 

@@ -1,4 +1,5 @@
-"""`python -m trainer --run RUN [--max-steps N] [--section.key value ...]` (also `shardrl-train`): the torchrun target.
+"""`python -m trainer --run-dir RUN [--max-steps N] [--section.key value ...]` (also `shardrl-train`): the torchrun
+target.
 
     torchrun --nproc_per_node=G [--nnodes=N --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT --rdzv_id=ID] \\
         -m trainer --run-dir RUN [--max-steps N]
@@ -11,54 +12,43 @@ complete checkpoint and replays the recorded plans after it; starting a second t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
-from pydantic import BaseModel
+from buffer.config import (
+    OVERRIDES_HELP,
+    PER_PROCESS_FIELDS,
+    ConfigError,
+    add_run_dir_option,
+    options_help,
+    parse_overrides,
+    refuse_sections,
+    section_fields,
+)
 
-from buffer.config import PER_PROCESS_FIELDS, AlgorithmConfig, ConfigError, TrainerConfig, parse_overrides
+PROG = "python -m trainer"
 
 
-def _options(prefix: str, model: type[BaseModel], only: frozenset[str] | None = None) -> str:
-    rows = []
-    for name, f in model.model_fields.items():
-        key = f"{prefix}.{name}"
-        if only is None or key in only:
-            rows.append(
-                f"  --{key:<34} {f.description} (default {json.dumps(f.get_default(call_default_factory=True))})"
-            )
-    return "\n".join(rows)
+def _epilog() -> str:
+    keys = section_fields("trainer") + section_fields("algorithm")
+    per_process = [(k, f) for k, f in keys if k in PER_PROCESS_FIELDS]
+    run_wide = [(k, f) for k, f in keys if k not in PER_PROCESS_FIELDS]
+    return (
+        f"{OVERRIDES_HELP}\n\nPer-process settings, which this command may override:\n{options_help(per_process)}"
+        "\n\nRun-wide settings, fixed in RUN/config.json by `shardrl init` (shown for reference; an override that "
+        f"changes one is refused, and --rollout.* is not read here):\n{options_help(run_wide)}"
+        "\n\nExit status: 0 done (max steps, SIGTERM/SIGINT: the step is finished and checkpointed), "
+        "2 bad config or command line, 3 fenced out by a newer trainer incarnation, "
+        "4 no samples within trainer.step_wait_timeout_s."
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    per_process = frozenset(k for k in PER_PROCESS_FIELDS if k.startswith("trainer."))
     p = argparse.ArgumentParser(
-        prog="python -m trainer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Per-process overrides accepted here (--section.key VALUE):\n"
-        + _options("trainer", TrainerConfig, per_process)
-        + "\n\nRun-wide settings, fixed in RUN/config.json at `shardrl init` (shown for reference; changing one "
-        "here is refused):\n"
-        + _options("trainer", TrainerConfig)
-        + "\n"
-        + _options("algorithm", AlgorithmConfig)
-        + "\n\nExit status: 0 done (max steps, SIGTERM/SIGINT: the step is finished and checkpointed), "
-        "2 bad config or command line, 3 fenced out by a newer trainer incarnation, "
-        "4 no samples within trainer.step_wait_timeout_s.",
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog()
     )
     # torchrun's own parser reads `--run` as an ambiguous abbreviation of its `--run-path`, so under torchrun the
     # run directory is passed as `--run-dir` (or SHARDRL_RUN); `--run` works when started without torchrun.
-    p.add_argument(
-        "--run-dir",
-        "--run",
-        dest="run",
-        type=Path,
-        default=os.environ.get("SHARDRL_RUN"),
-        help="run directory made by `shardrl init` (under torchrun write --run-dir; env SHARDRL_RUN)",
-    )
+    add_run_dir_option(p, "--run")
     p.add_argument(
         "--max-steps", type=int, default=None, help="stop cleanly after N steps in this invocation"
     )
@@ -66,17 +56,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.run is None:
-        parser.error("--run-dir RUN (or --run RUN, or SHARDRL_RUN) is required")
+    args, rest = _parser().parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
+        refuse_sections(
+            overrides, ("rollout",), PROG, "pass it to the rollout supervisor (python -m rollout_worker)"
+        )
         if args.max_steps is not None:
             overrides["trainer.max_steps"] = str(args.max_steps)
         from buffer.run import open_run
 
-        run = open_run(args.run, overrides)
+        run = open_run(args.run_dir, overrides)
     except ConfigError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2

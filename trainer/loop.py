@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from buffer import heartbeats, weights
-from buffer.config import ConfigError
+from buffer.config import resolve_dtype
 from buffer.metrics import Sinks, open_sinks
 from buffer.plans import FencedError, PlanLog
 from buffer.records import TrainerStatus
@@ -308,7 +308,7 @@ def publish(run: Run, models: Models, state: TrainState, final: bool = False) ->
         run.layout,
         version,
         state.step,
-        dtype=cfg.model.dtype,
+        dtype=resolve_dtype(cfg.model.dtype, cuda=tdist.current_device().type == "cuda"),
         tied=tied,
         src_model_dir=run.model_dir,
         lora=lora,
@@ -392,24 +392,9 @@ def train(run: Run) -> TrainState:
     return state
 
 
-def check_config(run: Run) -> None:
-    """Combinations the config models accept but the trainer cannot honour."""
-    a = run.config.algorithm
-    if a.kl_target is not None and a.kl_horizon < run.config.trainer.samples_per_step:
-        raise ConfigError(
-            f"{run.layout.config_json}: field algorithm.kl_horizon ({a.kl_horizon:g}) must be at least "
-            f"trainer.samples_per_step ({run.config.trainer.samples_per_step}) with algorithm.kl_target set: the "
-            "adaptive KL coefficient would change by more than 20% in one step"
-        )
-
-
 def run_trainer(run: Run) -> int:
-    """Exit status: 0 done, 2 bad config, 3 fenced out by a newer incarnation, 4 gave up waiting for samples."""
-    try:
-        check_config(run)
-    except ConfigError as e:
-        print(f"trainer: {e}", file=sys.stderr)
-        return 2
+    """Exit status: 0 done, 3 fenced out by a newer incarnation, 4 gave up waiting for samples (a bad config never
+    gets here: the config rules refused it when the run was opened)."""
     torch.manual_seed(run.config.run.seed)
     try:
         train(run)

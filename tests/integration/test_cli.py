@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ from buffer.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "shardrl" / "configs" / "demo.toml"
+# whole groups of 4 and a step that one worker batch (100 prompts x 4) fills
+SMALL_GROUPS = ("--rollout.sampling.n", "4", "--trainer.samples_per_step", "400")
 
 
 def shardrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -27,7 +30,7 @@ def shardrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("cli") / "run"
-    shardrl("init", str(run), "--config", str(DEMO), "--rollout.sampling.n", "4")
+    shardrl("init", str(run), "--config", str(DEMO), *SMALL_GROUPS)
     return run
 
 
@@ -46,22 +49,36 @@ def test_init_writes_layout_and_is_idempotent_but_refuses_conflicts(run_dir):
     assert (layout.base_model / "config.json").exists()
     for d in layout.directories():
         assert d.is_dir(), d
-    shardrl("init", str(run_dir), "--config", str(DEMO), "--rollout.sampling.n", "4")  # same config: no-op
+    shardrl("init", str(run_dir), "--config", str(DEMO), *SMALL_GROUPS)  # same config: no-op
     assert json.loads(layout.run_json.read_text()) == meta
-    bad = shardrl("init", str(run_dir), "--config", str(DEMO), "--trainer.lr", "0.5", check=False)
+    bad = shardrl(
+        "init", str(run_dir), "--config", str(DEMO), *SMALL_GROUPS, "--trainer.lr", "0.5", check=False
+    )
     assert bad.returncode == 2 and "different config" in bad.stderr and "trainer.lr" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_bad_config_is_one_clear_line(tmp_path):
     cfg = tmp_path / "bad.toml"
-    cfg.write_text('[trainer]\nlr = "fast"\n')
+    cfg.write_text('[reward]\nfunction = "max_digit"\n[trainer]\nlr = "fast"\n')
     p = shardrl("init", str(tmp_path / "r"), "--config", str(cfg), check=False)
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "trainer.lr" in p.stderr and str(cfg) in p.stderr
     p = shardrl("init", str(tmp_path / "r"), "--config", str(DEMO), "--nope.x", "1", check=False)
     assert p.returncode == 2 and "field nope" in p.stderr
     assert not (tmp_path / "r" / "run.json").exists()
+
+
+def test_init_refuses_a_deadlocking_config_in_one_line(tmp_path):
+    deadlock = ("--rollout.max_backlog_samples", "64", "--rollout.prompts_per_batch", "10")
+    p = shardrl("init", "--run-dir", str(tmp_path / "r"), "--config", str(DEMO), *deadlock, check=False)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == (
+        f"shardrl: {DEMO}: rollout.max_backlog_samples (64) + one worker batch (rollout.prompts_per_batch x "
+        "rollout.sampling.n = 160) must reach trainer.samples_per_step (1600), or workers pause before a step "
+        "can fill\n"
+    )
+    assert not (tmp_path / "r").exists()
 
 
 def test_run_wide_override_is_refused_per_process_one_allowed(run_dir):
@@ -111,6 +128,23 @@ def test_scale_writes_what_echo_would_and_bad_commands_show_in_status(run_dir):
         assert reason in snap["control"]["last_rejection"]["reason"]
         assert snap["desired_workers"] == 3
         assert snap["control"]["last_applied"]["command"] == {"action": "add", "count": 2}
+
+
+def test_scale_checks_the_bounds_and_warns_before_replacing_an_unapplied_command(run_dir):
+    layout = RunLayout.of(run_dir)
+    desired, before = control.read_state(layout).desired, layout.control_file.read_bytes()
+    p = shardrl("scale", "--run-dir", str(run_dir), "--add", "9", check=False)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "above run.max_workers = 4" in p.stderr
+    p = shardrl("scale", str(run_dir), "--remove", str(desired + 1), check=False)
+    assert p.returncode == 2 and f"only {desired} workers are desired" in p.stderr
+    assert layout.control_file.read_bytes() == before  # nothing written
+    assert "warning" not in shardrl("scale", str(run_dir), "--set", "1").stderr  # the last one was handled
+    env = {**os.environ, "SHARDRL_RUN": str(run_dir)}
+    cmd = [sys.executable, "-m", "shardrl.cli", "scale", "--set", "2"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert p.returncode == 0 and "warning" in p.stderr and '{ "action": "set", "count": 1 }' in p.stderr
+    watcher = control.ControlWatcher(layout, max_workers=4, settle_s=0.0, who="test-supervisor")
+    assert watcher.poll().desired == 2  # the replaced command was never applied
 
 
 def test_synth_then_fsck_clean_then_corruption_found_and_repaired(run_dir):

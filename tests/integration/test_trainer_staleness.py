@@ -55,6 +55,7 @@ def _run_at_version(tmp: Path, model: Path, mode: str) -> RunLayout:
         model,
         trainer__samples_per_step=2 * GROUP,
         trainer__max_staleness=1,
+        rollout__max_staleness=1,
         algorithm__staleness_mode=mode,
     )
     _shard(layout, "old", version=0, groups=2)
