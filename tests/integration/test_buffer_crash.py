@@ -45,7 +45,8 @@ def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     (layout.run_json).write_text(json.dumps({"run_id": "r", "schema_version": SCHEMA_VERSION, "created_at": 0}))
     from buffer.config import ShardRLConfig
 
-    layout.config_json.write_text(ShardRLConfig().model_dump_json())
+    cfg = ShardRLConfig.model_validate({"reward": {"function": "max_digit"}})  # every run names its reward
+    layout.config_json.write_text(cfg.model_dump_json())
     leftovers = list(layout.shards_tmp.iterdir())
     check = subprocess.run(
         [sys.executable, "-m", "shardrl.cli", "fsck", str(layout.root)],
