@@ -1,4 +1,4 @@
-"""`shardrl`: the umbrella command line (init, status, scale, fsck, synth, tiny-model, demo, report).
+"""`shardrl`: the umbrella command line, one function per subcommand (see ``COMMANDS``).
 
 Importing this module (and ``shardrl --help``) imports no torch: heavy imports happen inside the subcommands.  Every
 run command takes the run as ``--run-dir RUN`` (or ``$SHARDRL_RUN``); the positional ``RUN`` and the demo's
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--steps", type=int, default=None, help="trainer steps (default from the packaged demo.toml)"
     )
+    s = _sub(sub, "check-env", "pre-flight checks of this node (deploy/check_env.sh runs it on every node)")
+    s.add_argument(
+        "--wait-s", type=float, default=60.0, help="how long to wait for the other nodes under srun"
+    )
     s = _sub(sub, "report", "write PNG plots of a run's metrics into RUN/plots")
     s = sub.add_parser(
         "export", help="copy a published weight version out as a standalone HF model directory"
@@ -154,67 +159,103 @@ def _resolve_run(args: argparse.Namespace) -> None:
 def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     if overrides and args.cmd not in ("init", "demo"):
         raise ConfigError(f"command line: `shardrl {args.cmd}` takes no --section.key overrides")
-    if args.cmd == "init":
-        from .runs import init_run
+    return COMMANDS[args.cmd](args, overrides)
 
-        run = init_run(args.run, load_toml(args.config, overrides))
-        print(f"run {run.run_id} ready at {run.layout.root}")
-        return 0
-    if args.cmd == "status":
-        from buffer.status import snapshot
 
-        from .status_view import render
+def _init(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    from .runs import init_run
 
-        snap = snapshot(_existing(args.run))
-        if args.json:
-            print(json.dumps(snap, indent=1, default=str))
-        else:
-            render(snap)
-        return 0
-    if args.cmd == "scale":
-        action = next(a for a in ("add", "remove", "set") if getattr(args, a) is not None)
-        return _scale(args.run, action, getattr(args, action))
-    if args.cmd == "fsck":
-        from buffer.fsck import fsck
-        from buffer.run import open_run
+    run = init_run(args.run, load_toml(args.config, overrides))
+    print(f"run {run.run_id} ready at {run.layout.root}")
+    return 0
 
-        run = open_run(args.run)
-        rep = fsck(run.layout, run.config, repair=args.repair, tmp_age_s=args.tmp_age_s)
-        for line in rep.problems:
-            print(f"PROBLEM {line}")
-        for line in rep.repaired:
-            print(f"REPAIRED {line}")
-        print(f"checked {dict(rep.checked)}: {len(rep.problems)} problem(s)")
-        return 0 if rep.ok else 1
-    if args.cmd == "synth":
-        from buffer.run import open_run
 
-        from .synth import synth_shards
+def _status(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from buffer.status import snapshot
 
-        paths = synth_shards(open_run(args.run), args.shards, args.samples, seed=args.seed)
-        print(f"wrote {len(paths)} shards of {args.samples} samples")
-        return 0
-    if args.cmd == "tiny-model":
-        from .tiny_model import build_tiny_model
+    from .status_view import render
 
-        print(build_tiny_model(args.out, tied=args.tied, seed=args.seed))
-        return 0
-    if args.cmd == "demo":
-        try:
-            from .demo import run_demo
-        except ImportError:
-            print("shardrl demo: not built yet")
-            return 0
-        return run_demo(args, overrides)
-    if args.cmd == "report":
-        from .report import main as report_main
+    snap = snapshot(_existing(args.run))
+    if args.json:
+        print(json.dumps(snap, indent=1, default=str))
+    else:
+        render(snap)
+    return 0
 
-        return report_main(_existing(args.run))
-    if args.cmd in ("export", "export-shards"):
-        from .export import main as export_main
 
-        return export_main(args.cmd, args.run, args.out, getattr(args, "version", None))
-    raise AssertionError(args.cmd)
+def _scale_cmd(args: argparse.Namespace, _: dict[str, str]) -> int:
+    action = next(a for a in ("add", "remove", "set") if getattr(args, a) is not None)
+    return _scale(args.run, action, getattr(args, action))
+
+
+def _fsck(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from buffer.fsck import fsck
+    from buffer.run import open_run
+
+    run = open_run(args.run)
+    rep = fsck(run.layout, run.config, repair=args.repair, tmp_age_s=args.tmp_age_s)
+    for line in rep.problems:
+        print(f"PROBLEM {line}")
+    for line in rep.repaired:
+        print(f"REPAIRED {line}")
+    print(f"checked {dict(rep.checked)}: {len(rep.problems)} problem(s)")
+    return 0 if rep.ok else 1
+
+
+def _synth(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from buffer.run import open_run
+
+    from .synth import synth_shards
+
+    paths = synth_shards(open_run(args.run), args.shards, args.samples, seed=args.seed)
+    print(f"wrote {len(paths)} shards of {args.samples} samples")
+    return 0
+
+
+def _tiny_model(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from .tiny_model import build_tiny_model
+
+    print(build_tiny_model(args.out, tied=args.tied, seed=args.seed))
+    return 0
+
+
+def _demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    from .demo import run_demo
+
+    return run_demo(args, overrides)
+
+
+def _check_env(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from .check_env import check_env
+
+    return check_env(args.run, wait_s=args.wait_s)
+
+
+def _report(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from .report import main as report_main
+
+    return report_main(_existing(args.run))
+
+
+def _export(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from .export import main as export_main
+
+    return export_main(args.cmd, args.run, args.out, getattr(args, "version", None))
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, dict[str, str]], int]] = {
+    "init": _init,
+    "status": _status,
+    "scale": _scale_cmd,
+    "fsck": _fsck,
+    "synth": _synth,
+    "tiny-model": _tiny_model,
+    "demo": _demo,
+    "check-env": _check_env,
+    "report": _report,
+    "export": _export,
+    "export-shards": _export,
+}
 
 
 def _scale(root: Path, action: str, count: int) -> int:
