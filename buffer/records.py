@@ -218,6 +218,8 @@ class TrainerStatus(StatusRecord):
     samples_trained: int = 0
     dropped_stale: int = 0
     quarantined: int = 0
+    waiting: str | None = None  # what the trainer waits for, while it waits (samples, a publish retry...)
+    last_error: str | None = None  # the last storage error it kept going through (a full disk...)
     # buffer.status.Backlog, as of the last write
     ready_samples: int = 0
     consumed_samples: int = 0

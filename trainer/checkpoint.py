@@ -21,7 +21,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -220,29 +220,42 @@ def save_checkpoint(
             f"checkpoint step {step}: extra/scheduler state is not JSON-serialisable: {e}"
         ) from None
     path = layout.checkpoint(step)
-    if tdist.is_main() and path.exists():
-        _delete(layout, step)  # a re-save of the same step replaces it
-    tdist.barrier()
+    # a re-save of the same step replaces it
+    _on_main(lambda: _delete(layout, step) if path.exists() else None)
     dcp.save({k: _ModelAndOptimizer(m, o) for k, (m, o, _) in parts.items()}, checkpoint_id=str(path))
     rngs = tdist.all_gather_object(rng_state())
-    if tdist.is_main():
-        state = {
-            "step": step,
-            "world_size": tdist.world(),
-            "parts": sorted(parts),
-            "schedulers": scheds,
-            "extra": extra_json,
-            "rng": rngs,
-        }
-        write_json_atomic(path / TRAINER_STATE, state)
-    tdist.barrier()  # every rank's DCP files are written before the commit record exists
-    if tdist.is_main():
-        write_json_atomic(
-            layout.checkpoint_commit(step), {"step": step, "world_size": tdist.world(), "time": time.time()}
-        )
+    state = {
+        "step": step,
+        "world_size": tdist.world(),
+        "parts": sorted(parts),
+        "schedulers": scheds,
+        "extra": extra_json,
+        "rng": rngs,
+    }
+    # every rank's DCP files are written before the commit record exists
+    _on_main(lambda: write_json_atomic(path / TRAINER_STATE, state))
+
+    def commit() -> None:
+        record = {"step": step, "world_size": tdist.world(), "time": time.time()}
+        write_json_atomic(layout.checkpoint_commit(step), record)
         prune_checkpoints(layout, keep)
-    tdist.barrier()
+
+    _on_main(commit)
     return path
+
+
+def _on_main(fn: Callable[[], Any]) -> None:
+    """``fn()`` on rank 0, then a barrier that also shares its OSError (a full disk): raised on every rank as a
+    CheckpointError, so that no rank waits for the others in a collective that never comes."""
+    error = None
+    if tdist.is_main():
+        try:
+            fn()
+        except OSError as e:
+            error = str(e)
+    error = tdist.broadcast_object(error)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def load_checkpoint(

@@ -15,6 +15,7 @@ and ``trainer.model.batch_logprobs``/``batch_values`` scatter the packed outputs
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,39 +60,111 @@ def _samples(table: pa.Table) -> list[Sample]:
 
 @dataclass
 class ShardCache:
-    """Validated rows of the ready shards that still hold unconsumed samples (bad shards are quarantined)."""
+    """Validated rows of the ready shards that still hold unconsumed samples.
+
+    Bad shards are quarantined, and so is a duplicate: a shard holding a sample id that a loaded shard holds too, or
+    that a plan consumed from another shard (a copy under a second valid name).  So every sample id in ``rows`` is
+    unique and either unconsumed or consumed from the shard that holds it, and no step can plan one twice.
+    """
 
     layout: RunLayout
     vocab_size: int | None
     rows: dict[str, list[Sample]] = field(default_factory=dict)  # shard name -> rows
     done: set[str] = field(default_factory=set)  # fully consumed or quarantined shards
+    planned: set[str] = field(
+        default_factory=set
+    )  # shards named by a valid plan: the originals of what it took
+    owner: dict[str, str] = field(default_factory=dict)  # sample id -> the shard in ``rows`` holding it
+    unreadable: dict[str, str] = field(
+        default_factory=dict
+    )  # shard -> I/O error of the last attempt (retried)
     quarantined: int = 0
 
-    def refresh(self, consumed: set[str]) -> None:
+    def refresh(self, consumed: set[str]) -> int:
+        """Load the shards that appeared since the last call; returns how many were new."""
+        new = 0
+        self._drop_consumed(consumed)
         for s in shards.list_ready(self.layout):
             if s.name in self.done or s.name in self.rows:
                 continue
-            table = shards.load_or_quarantine(self.layout, s.name, self.vocab_size)
-            if table is None:
-                self.quarantined += 1
-                self.done.add(s.name)
-                log.warning("quarantined shard %s", s.name)
+            rows = self._load_new(s.name)
+            if rows is None:
                 continue
-            self.rows[s.name] = _samples(table)
+            new += 1
+            reason = self._duplicate(s.name, rows, consumed)
+            if reason is not None:
+                self._quarantine(s.name, reason)
+                continue
+            self.rows[s.name] = rows
+            self.owner.update((r.sample_id, s.name) for r in rows)
+        self._drop_consumed(consumed)
+        return new
+
+    def _drop_consumed(self, consumed: set[str]) -> None:
         for name in list(self.rows):
             if all(r.sample_id in consumed for r in self.rows[name]):
-                del self.rows[name]
+                for r in self.rows.pop(name):
+                    self.owner.pop(r.sample_id, None)
                 self.done.add(name)
 
-    def load(self, shard_names: list[str]) -> dict[str, Sample]:
-        """Rows of specific shards (for replaying a plan), by sample id."""
+    def _load_new(self, name: str) -> list[Sample] | None:
+        """Rows of a shard not seen yet; None when it is bad (quarantined), gone, or unreadable for now."""
+        try:
+            table = shards.load_or_quarantine(self.layout, name, self.vocab_size)
+        except FileNotFoundError:
+            return None  # removed since the listing (fsck --repair, a person): nothing to plan from it
+        except OSError as e:  # the storage, not the shard: it stays in ready/ and is read again next time
+            self.unreadable[name] = str(e)
+            return None
+        self.unreadable.pop(name, None)
+        if table is None:
+            self.quarantined += 1
+            self.done.add(name)
+            log.warning("quarantined shard %s", name)
+            return None
+        return _samples(table)
+
+    def _duplicate(self, name: str, rows: list[Sample], consumed: set[str]) -> str | None:
+        """Why ``name`` is a duplicate of samples the run already has, or None."""
+        ids = [r.sample_id for r in rows]
+        clash = sorted({self.owner[i] for i in ids if i in self.owner})
+        if clash:
+            n = sum(1 for i in ids if i in self.owner)
+            return f"duplicate: {n} of its {len(ids)} sample_ids are also in shard {clash[0]}"
+        if name not in self.planned:
+            n = sum(1 for i in ids if i in consumed)
+            if n:
+                return f"duplicate: {n} of its {len(ids)} sample_ids were already consumed from other shards"
+        return None
+
+    def _quarantine(self, name: str, reason: str) -> None:
+        self.done.add(name)  # never planned from, also when the move fails (it is tried by no one else)
+        self.quarantined += 1
+        log.warning("quarantined shard %s: %s", name, reason)
+        try:
+            shards.quarantine(self.layout, name, reason)
+        except OSError as e:
+            log.warning("could not move %s to quarantine (%s); it is ignored", name, e)
+
+    def load(self, shard_names: list[str]) -> tuple[dict[str, Sample], list[str]]:
+        """Rows of specific shards (for replaying a plan), by sample id, and what could not be read: a shard gone
+        or bad since it was planned (a bad one is quarantined).  An I/O error is raised: it may pass."""
         out: dict[str, Sample] = {}
+        problems: list[str] = []
         for name in shard_names:
             rows = self.rows.get(name)
             if rows is None:
-                rows = _samples(shards.read_shard(self.layout.ready_shard(name), self.vocab_size))
+                try:
+                    table = shards.load_or_quarantine(self.layout, name, self.vocab_size)
+                except FileNotFoundError:
+                    problems.append(f"{name}: missing")
+                    continue
+                if table is None:
+                    problems.append(f"{name}: damaged (quarantined)")
+                    continue
+                rows = _samples(table)
             out.update((r.sample_id, r) for r in rows)
-        return out
+        return out, problems
 
 
 def group_candidates(cache: ShardCache, consumed: set[str]) -> list[tuple[str, list[Sample], list[str]]]:
@@ -114,6 +187,10 @@ class Selection:
     shards: list[str]
 
 
+def _is_stale(rows: list[Sample], current_version: int, max_staleness: int) -> bool:
+    return current_version - min(r.policy_version for r in rows) > max_staleness
+
+
 def select_step(
     candidates: list[tuple[str, list[Sample], list[str]]],
     samples_per_step: int,
@@ -126,8 +203,7 @@ def select_step(
     dropped: list[Sample] = []
     names: set[str] = set()
     for _gid, rows, shard_names in candidates:
-        stale = current_version - min(r.policy_version for r in rows) > max_staleness
-        if stale and drop_stale:
+        if drop_stale and _is_stale(rows, current_version, max_staleness):
             dropped.extend(rows)
             names.update(shard_names)
             continue
@@ -140,51 +216,119 @@ def select_step(
     return Selection(chosen, dropped, sorted(names))
 
 
+def stale_only(
+    candidates: list[tuple[str, list[Sample], list[str]]], current_version: int, max_staleness: int
+) -> Selection:
+    """The groups that can no longer be trained (too stale), as a selection that trains nothing."""
+    stale = [
+        (rows, names) for _gid, rows, names in candidates if _is_stale(rows, current_version, max_staleness)
+    ]
+    return Selection(
+        [], [r for rows, _ in stale for r in rows], sorted({n for _, names in stale for n in names})
+    )
+
+
+@dataclass
+class Waiting:
+    """Why the last ``try_plan`` planned nothing: the fresh samples there are, and the stale ones not yet dropped."""
+
+    fresh: int = 0
+    stale: int = 0
+
+
+@dataclass
+class Replayed:
+    samples: list[Sample]
+    missing: list[str]  # planned sample ids that could not be read back (their shard gone or damaged)
+    problems: list[str]  # one line per such shard
+
+
 class Planner:
-    """Rank 0's view of the consumption log: plans new steps and replays recorded ones."""
+    """Rank 0's view of the consumption log: plans new steps and replays recorded ones.
+
+    ``timings`` holds the seconds the last call spent loading shards (``load``) and choosing and writing the plan
+    (``plan``); ``waiting`` says why the last ``try_plan`` planned nothing, ``arrived`` how many shards it saw first.
+    """
 
     def __init__(self, layout: RunLayout, log_: plans.PlanLog, vocab_size: int | None):
         self.log = log_
         self.cache = ShardCache(layout, vocab_size)
-        self.consumed = plans.consumed_ids(log_.plans().values())
+        recorded = log_.plans().values()
+        self.consumed = plans.consumed_ids(recorded)
+        self.cache.planned = {name for p in recorded for name in p.shards}
         self.dropped_total = 0
+        self.timings: dict[str, float] = {}
+        self.waiting = Waiting()
+        self.arrived = 0  # shards the last try_plan saw for the first time
 
-    def replay(self, plan: plans.Plan) -> list[Sample]:
-        rows = self.cache.load(plan.shards)
+    def replay(self, plan: plans.Plan) -> Replayed:
+        """The plan's samples in its order, less those whose shard is gone or damaged since it was planned: the step
+        is trained on the rest (an empty step when none is left) instead of failing for ever."""
+        t0 = time.monotonic()
+        rows, problems = self.cache.load(plan.shards)
         missing = [s for s in plan.sample_ids if s not in rows]
         if missing:
-            raise RuntimeError(
-                f"plan step {plan.step}: {len(missing)} planned samples not found in {plan.shards}"
+            log.warning(
+                "replay of step %d: %d of %d planned samples cannot be read back (%s); training on the rest",
+                plan.step,
+                len(missing),
+                len(plan.sample_ids),
+                "; ".join(problems) or "not in their shards",
             )
-        return [rows[s] for s in plan.sample_ids]
+        self.timings = {"load": time.monotonic() - t0, "plan": 0.0}
+        return Replayed([rows[s] for s in plan.sample_ids if s in rows], missing, problems)
 
     def try_plan(
-        self, step: int, samples_per_step: int, current_version: int, max_staleness: int, drop_stale: bool
+        self,
+        step: int,
+        samples_per_step: int,
+        current_version: int,
+        max_staleness: int,
+        drop_stale: bool,
+        drop_only: bool = False,
     ) -> tuple[plans.Plan, list[Sample]] | None:
-        self.cache.refresh(self.consumed)
-        sel = select_step(
-            group_candidates(self.cache, self.consumed),
-            samples_per_step,
-            current_version,
-            max_staleness,
-            drop_stale,
-        )
+        """Plan ``step`` when enough fresh samples exist; else, with ``drop_only``, a step that only drops the stale
+        samples there are (durably: they stop counting as backlog, and so stop holding workers back); else None
+        (``waiting`` says why)."""
+        t0 = time.monotonic()
+        self.arrived = self.cache.refresh(self.consumed)
+        t1 = time.monotonic()
+        candidates = group_candidates(self.cache, self.consumed)
+        sel = select_step(candidates, samples_per_step, current_version, max_staleness, drop_stale)
         if sel is None:
-            return None
+            stale = (
+                stale_only(candidates, current_version, max_staleness)
+                if drop_stale
+                else Selection([], [], [])
+            )
+            fresh = sum(len(rows) for _g, rows, _n in candidates) - len(stale.dropped)
+            self.waiting = Waiting(fresh, len(stale.dropped))
+            sel = stale if drop_only and stale.dropped else None
+        planned = None if sel is None else (self._write(step, sel, current_version), sel.samples)
+        self.timings = {"load": t1 - t0, "plan": time.monotonic() - t1}
+        return planned
+
+    def _write(self, step: int, sel: Selection, current_version: int) -> plans.Plan:
+        ids = [s.sample_id for s in sel.samples] + [s.sample_id for s in sel.dropped]
+        if len(set(ids)) != len(ids) or any(i in self.consumed for i in ids):
+            # the cache keeps every id unique and unconsumed: this is a bug, never a reason to train twice
+            raise RuntimeError(f"step {step}: a sample id would be planned twice; no plan written")
         versions = [s.policy_version for s in sel.samples]
-        extra: dict[str, Any] = {
-            "min_version": min(versions),
-            "max_version": max(versions),
-            "trainer_version": current_version,
-            "staleness": [current_version - v for v in versions],
-        }
+        extra: dict[str, Any] = {"trainer_version": current_version}
+        if versions:
+            extra.update(
+                min_version=min(versions),
+                max_version=max(versions),
+                staleness=[current_version - v for v in versions],
+            )
         plan = self.log.write_plan(
             step, sel.shards, [s.sample_id for s in sel.samples], [s.sample_id for s in sel.dropped], extra
         )
         self.consumed.update(plan.sample_ids)
         self.consumed.update(plan.dropped_ids)
+        self.cache.planned.update(plan.shards)
         self.dropped_total += len(sel.dropped)
-        return plan, sel.samples
+        return plan
 
     def unconsumed_count(self) -> int:
         return sum(1 for rows in self.cache.rows.values() for r in rows if r.sample_id not in self.consumed)

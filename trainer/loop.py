@@ -1,55 +1,63 @@
 """The trainer's loop: claim the run, resume, then plan or replay each step, train it, publish, checkpoint, report.
 
-Reads like a table of contents; the pieces live in ``data`` (planning), ``step`` (losses), ``publish`` and
-``checkpoint``.  Run by ``python -m trainer`` under torchrun (or as one process).
+Reads like a table of contents; the pieces live in ``feed`` (planning ahead, waiting, replay), ``step`` (losses),
+``versions`` (asynchronous publish and its retries) and ``checkpoint``.  Run by ``python -m trainer`` under torchrun
+(or as one process).
 
 Decisions that depend on shared storage (which checkpoint to resume, what the next step trains on, whether a newer
 incarnation took over) are taken by rank 0 and broadcast, so every rank runs the same sequence of collectives.
 A trainer that finds itself fenced out by a newer incarnation stops before it writes a plan, publishes weights or
-saves a checkpoint, and exits non-zero.
+saves a checkpoint, and exits non-zero.  A storage error while publishing or checkpointing (a full disk) never ends
+the trainer: it is reported in the status record (``last_error``) and retried (``versions``, ``Saver``).
+
+Each step's wall time is split into wait, plan, load, compute, publish and checkpoint (seconds and fractions in
+RUN/metrics/trainer.jsonl); with the next step planned during the compute and the weights written during the next
+compute, a step with samples ready costs little more than its compute.
 """
 
 from __future__ import annotations
 
 import logging
+import resource
+import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from buffer import heartbeats, weights
-from buffer.config import resolve_dtype
+from buffer import heartbeats
 from buffer.metrics import Sinks, open_sinks
 from buffer.plans import FencedError, PlanLog
 from buffer.records import TrainerStatus
 from buffer.run import Run
-from buffer.status import BacklogCounter
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
-from trainer.data import Planner, Sample
+from trainer.feed import Feeder, StepBatch, on_rank0
 from trainer.lora import AdaptersOff
 from trainer.metrics import setup_logging, step_line
 from trainer.model import build_actor, build_critic, build_optimizer, build_reference, build_scheduler
-from trainer.publish import publish_weights
 from trainer.step import Models, kl_controller, train_step
+from trainer.versions import Publisher, Settled, latest_problem, starting_version
 
 log = logging.getLogger("trainer")
-T = TypeVar("T")
 
 EXIT_FENCED = 3
 EXIT_TIMEOUT = 4
+PHASES = ("wait", "plan", "load", "compute", "publish", "checkpoint")
+FINAL_SAVE_ATTEMPTS = 4
 
 
 @dataclass
 class TrainState:
-    step: int = 0  # last trained step
+    step: int = 0  # last step (a step that only dropped stale samples counts)
     version: int = 0  # weight version the trainer's weights were last published as
     samples_trained: int = 0
     dropped_stale: int = 0
+    replay_missing: int = 0  # replayed samples that could not be read back (their shard gone or damaged)
     merged_step: int = 0  # LoRA: the step of the last merged full-weight version
     # [epoch, first step, last step] per incarnation whose training these weights carry: an audit trail that
     # shows every step 1..step was trained exactly once on the way to this state.
@@ -62,14 +70,8 @@ class TrainState:
         self.step = step
         self.samples_trained += len(batch.samples)
         self.dropped_stale += batch.dropped
+        self.replay_missing += len(batch.missing)
         self.lineage[-1][2] = step
-
-
-@dataclass
-class StepBatch:
-    samples: list[Sample]
-    dropped: int  # samples the step's plan dropped as too stale
-    replayed: bool  # the plan was recorded by an earlier incarnation
 
 
 class StopFlag:
@@ -85,29 +87,6 @@ class StopFlag:
 
     def agreed(self) -> bool:
         return tdist.all_reduce_max(1.0 if self.set else 0.0) > 0
-
-
-def on_rank0(fn: Callable[[], T]) -> T:
-    """``fn()`` run on rank 0, its result on every rank.  An exception there is raised on every rank: rank 0
-    raises its own, the others a FencedError alike or a RuntimeError naming it (not every exception unpickles)."""
-    result: Any = None
-    error: Exception | None = None
-    if tdist.is_main():
-        try:
-            result = fn()
-        except Exception as e:
-            error = e
-    shared: Exception | None = None
-    if isinstance(error, FencedError):
-        shared = FencedError(str(error))
-    elif error is not None:
-        shared = RuntimeError(f"rank 0 failed: {type(error).__name__}: {error}")
-    result, shared = tdist.broadcast_object((result, shared))
-    if error is not None:
-        raise error
-    if shared is not None:
-        raise shared
-    return result
 
 
 # ----------------------------------------------------------------------------------------------------- start-up
@@ -148,10 +127,6 @@ def build_models(run: Run) -> Models:
     return models
 
 
-def _newest_version(run: Run) -> int:
-    return max([weights.latest_version(run.layout), *weights.published_versions(run.layout)])
-
-
 def resume(run: Run, models: Models, epoch: int) -> TrainState:
     state = TrainState()
     step = on_rank0(lambda: ckpt.latest_complete_checkpoint(run.layout))
@@ -160,70 +135,11 @@ def resume(run: Run, models: Models, epoch: int) -> TrainState:
         state = TrainState(**extra["train_state"])
         models.load_state(extra)
         log.info("resumed from checkpoint step %d (weights v%d)", state.step, state.version)
-    # A trainer that died after publishing but before checkpointing: never reuse a version number.
-    state.version = max(state.version, on_rank0(lambda: _newest_version(run)))
+    # A trainer that died after publishing but before checkpointing: never reuse a version number (but never
+    # adopt the number of a LATEST that points at nothing either).
+    state.version = on_rank0(lambda: starting_version(run.layout, state.version))
     state.begin(epoch)
     return state
-
-
-# ------------------------------------------------------------------------------------------------------ feeding
-
-
-class Feeder:
-    """Rank 0 plans or replays each step; every rank gets the step's samples. Waits while too few exist."""
-
-    def __init__(self, run: Run, state: TrainState, plan_log: PlanLog | None, stop: StopFlag):
-        self.run, self.stop = run, stop
-        self.timed_out = False
-        self.planner: Planner | None = None
-        self.backlog: BacklogCounter | None = None
-        self.replay: dict[int, Any] = {}
-        if plan_log is not None:
-            self.planner = Planner(run.layout, plan_log, run.config.model.vocab_size)
-            self.backlog = BacklogCounter(run.layout)
-            self.replay = {p.step: p for p in plan_log.replay(after_step=state.step)}
-            if self.replay:
-                log.info("replaying recorded plans of steps %s", sorted(self.replay))
-
-    def _rank0_try(self, step: int, version: int) -> StepBatch | None:
-        assert self.planner is not None
-        if step in self.replay:
-            plan = self.replay.pop(step)
-            return StepBatch(self.planner.replay(plan), len(plan.dropped_ids), replayed=True)
-        t, a = self.run.config.trainer, self.run.config.algorithm
-        got = self.planner.try_plan(
-            step, t.samples_per_step, version, t.max_staleness, a.staleness_mode == "drop"
-        )
-        return None if got is None else StepBatch(got[1], len(got[0].dropped_ids), replayed=False)
-
-    def _rank0_poll(self, step: int, version: int, since: float) -> StepBatch | str | None:
-        assert self.planner is not None
-        self.planner.log.check_not_fenced()  # also while waiting: a fenced trainer must not linger
-        batch = self._rank0_try(step, version)
-        timeout = self.run.config.trainer.step_wait_timeout_s
-        if batch is None and timeout is not None and time.monotonic() - since > timeout:
-            return "timeout"
-        return batch
-
-    def next(self, step: int, version: int, report: Reporter) -> tuple[StepBatch | None, float]:
-        """The samples of ``step`` (None when stopping) and the seconds spent waiting for them."""
-        t0 = time.monotonic()
-        while not self.stop.agreed():
-            got = on_rank0(lambda: self._rank0_poll(step, version, t0))
-            if isinstance(got, StepBatch):
-                return got, time.monotonic() - t0
-            if got == "timeout":
-                self.timed_out = True
-                break
-            report.status("waiting", step - 1, version, self.counts())
-            time.sleep(self.run.config.trainer.poll_interval_s)
-        return None, time.monotonic() - t0
-
-    def counts(self) -> dict[str, int]:
-        """The run's backlog (``buffer.status.Backlog``) and the shards this trainer quarantined (rank 0)."""
-        if self.planner is None or self.backlog is None:
-            return {}
-        return {**self.backlog.read().as_counts(), "quarantined": self.planner.cache.quarantined}
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
@@ -236,54 +152,93 @@ class Reporter:
         self.epoch, self.resumed_from = epoch, state.step
         self.sink: Sinks | None = None
         self.writer: heartbeats.StatusWriter[TrainerStatus] | None = None
+        self.last_error: str | None = None
         if tdist.is_main():
             tb = run.layout.root / "tensorboard" if run.config.trainer.tensorboard else None
             self.sink = open_sinks(run.layout.metrics_file("trainer"), tb)
             self.writer = heartbeats.trainer_status(run.layout, epoch=epoch, resumed_from=state.step)
 
-    def status(self, what: str, step: int, version: int, counts: dict[str, int], **extra: Any) -> None:
-        if self.writer is not None:
-            self.writer.update(state=what, step=step, published_version=version, **counts, **extra)
+    def error(self, message: str) -> None:
+        """A storage error the trainer keeps going through: logged, and kept in the status record."""
+        self.last_error = message
+        log.error("%s", message)
 
-    def step(self, step: int, metrics: dict[str, float], state: TrainState, counts: dict[str, int]) -> None:
+    def status(
+        self, what: str, state: TrainState, counts: dict[str, int], waiting: str | None = None
+    ) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.update(
+                state=what,
+                step=state.step,
+                published_version=state.version,
+                samples_trained=state.samples_trained,
+                dropped_stale=state.dropped_stale,
+                waiting=waiting,
+                last_error=self.last_error,
+                **counts,
+            )
+        except OSError as e:  # the status record is for people: a full disk must not stop training
+            log.warning("status record not written: %s", e)
+
+    def step(self, step: int, metrics: dict[str, Any], state: TrainState, counts: dict[str, int]) -> None:
         if self.sink is None:
             return
-        self.sink.log({**metrics, "epoch": self.epoch, "resumed_from": self.resumed_from}, step)
+        try:
+            self.sink.log({**metrics, "epoch": self.epoch, "resumed_from": self.resumed_from}, step)
+        except OSError as e:
+            self.error(f"metrics not written: {e}")
         log.info(step_line(step, metrics))
-        self.status(
-            "training",
-            step,
-            state.version,
-            counts,
-            samples_trained=state.samples_trained,
-            dropped_stale=state.dropped_stale,
-        )
+        self.status("training", state, counts)
 
     def close(self) -> None:
         if self.sink is not None:
             self.sink.close()
 
 
+def peak_memory_gib() -> float:
+    """Peak device memory of this step on GPU (then reset); the process's peak resident size on CPU."""
+    device = tdist.current_device()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def step_metrics(
-    batch: StepBatch, m: dict[str, float], version: int, wait_s: float, step_s: float
-) -> dict[str, float]:
+    batch: StepBatch, m: dict[str, float], version: int, times: dict[str, float]
+) -> dict[str, Any]:
+    total = sum(times.get(p, 0.0) for p in PHASES)
+    out: dict[str, Any] = {**m, "step_s": total, "version": version}
+    for p in PHASES:
+        out[f"{p}_s"] = times.get(p, 0.0)
+        out[f"{p}_frac"] = times.get(p, 0.0) / max(total, 1e-9)
+    out.update(
+        samples=len(batch.samples),
+        dropped_stale=batch.dropped,
+        replayed=int(batch.replayed),
+        prefetched=int(batch.prefetched),
+        replay_missing=len(batch.missing),
+    )
+    for k in ("prefetch", "publish_write"):
+        if k in times:
+            out[f"{k}_s"] = times[k]
+    if batch.missing:
+        out["replay_missing_ids"] = batch.missing
     samples = batch.samples
-    stale = [version - s.policy_version for s in samples]
-    tokens = sum(s.length for s in samples)
-    return {
-        **m,
-        "reward_mean": sum(s.reward for s in samples) / len(samples),
-        "reward_max_frac": sum(1 for s in samples if s.reward >= 1.0) / len(samples),
-        "samples": len(samples),
-        "dropped_stale": batch.dropped,
-        "replayed": int(batch.replayed),
-        "staleness_mean": sum(stale) / len(stale),
-        "staleness_max": max(stale),
-        "tokens_per_s": tokens / max(step_s, 1e-9),
-        "wait_s": wait_s,
-        "wait_frac": wait_s / max(wait_s + step_s, 1e-9),
-        "version": version,
-    }
+    if samples:
+        stale = [version - s.policy_version for s in samples]
+        out.update(
+            reward_mean=sum(s.reward for s in samples) / len(samples),
+            reward_max_frac=sum(1 for s in samples if s.reward >= 1.0) / len(samples),
+            staleness_mean=sum(stale) / len(stale),
+            staleness_max=max(stale),
+            tokens_per_s=sum(s.length for s in samples) / max(times.get("compute", 0.0), 1e-9),
+            peak_mem_gib=peak_memory_gib(),
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------------- publish and save
@@ -294,78 +249,209 @@ def check_fence(plan_log: PlanLog | None) -> None:
     on_rank0(lambda: plan_log.check_not_fenced() if plan_log is not None else None)
 
 
-def publish(run: Run, models: Models, state: TrainState, final: bool = False) -> float:
-    """Publish the next version: full weights, or with LoRA the adapter, merged into full weights every
-    model.lora.merge_every versions and when ``final`` (the end of this trainer run)."""
-    t0 = time.monotonic()
-    cfg = run.config
-    version = state.version + 1
-    tied = bool(getattr(models.actor.config, "tie_word_embeddings", False))
-    lora = cfg.model.lora if cfg.model.lora.enabled else None
-    merged = lora is not None and (final or (lora.merge_every > 0 and version % lora.merge_every == 0))
-    publish_weights(
-        models.actor,
-        run.layout,
-        version,
-        state.step,
-        dtype=resolve_dtype(cfg.model.dtype, cuda=tdist.current_device().type == "cuda"),
-        tied=tied,
-        src_model_dir=run.model_dir,
-        lora=lora,
-        merged=merged,
-    )
-    state.version = version
-    state.merged_step = state.step if merged else state.merged_step
-    if tdist.is_main():
-        weights.garbage_collect(
-            run.layout, cfg.run.keep_weight_versions, heartbeats.versions_in_use(run.layout)
+class Versions:
+    """The loop's side of publishing: which step publishes, the version in flight, and what a failure does."""
+
+    def __init__(self, run: Run, plan_log: PlanLog | None, report: Reporter, stop: StopFlag):
+        self.run, self.plan_log, self.report, self.stop = run, plan_log, report, stop
+        self.publisher = Publisher(run, plan_log)
+
+    def due(self, step: int, batch: StepBatch) -> bool:
+        return bool(batch.samples) and step % self.run.config.trainer.publish_every == 0
+
+    def version_after(self, step: int, state: TrainState, batch: StepBatch) -> int:
+        """The version the weights will carry once ``step`` is done (what the next step's staleness is judged by)."""
+        return state.version + int(self.due(step, batch))
+
+    def publish(self, models: Models, state: TrainState, final: bool = False) -> dict[str, float]:
+        """Settle the version in flight, then stage the next one (the step waits for the copy only)."""
+        t0 = time.monotonic()
+        out = self.settle(models, state)
+        check_fence(self.plan_log)
+        version, merged = state.version + 1, self._merged(state.version + 1, final)
+        try:
+            self.publisher.start(models, version, state.step, merged)
+        except Exception as e:
+            if not isinstance(e, (OSError, RuntimeError)) or isinstance(e, FencedError):
+                raise
+            self._retry(Settled(version, 0.0, str(e)), models, state, merged)
+        else:
+            state.version = version
+            state.merged_step = state.step if merged else state.merged_step
+        out["publish"] = time.monotonic() - t0
+        return out
+
+    def settle(self, models: Models, state: TrainState) -> dict[str, float]:
+        """Wait for the version in flight; a failed one is published again (current weights) until it works."""
+        settled = self.publisher.settle()
+        if settled is None:
+            return {}
+        if settled.error is None:
+            return {"publish_write": settled.write_s}
+        state.version = settled.version - 1  # never committed: its number is free again
+        self._retry(settled, models, state, self._merged(settled.version, False))
+        return {}
+
+    def _merged(self, version: int, final: bool) -> bool:
+        lora = self.run.config.model.lora
+        return lora.enabled and (final or (lora.merge_every > 0 and version % lora.merge_every == 0))
+
+    def _retry(self, failed: Settled, models: Models, state: TrainState, merged: bool) -> None:
+        self.report.error(f"publishing v{failed.version} failed: {failed.error}")
+
+        def waiting(what: str, error: str) -> None:
+            self.report.last_error = error
+            self.report.status("waiting", state, {}, waiting=what)
+
+        if self.publisher.retry(failed, models, state.step, merged, waiting, self.stop.agreed):
+            state.version = failed.version
+            state.merged_step = state.step if merged else state.merged_step
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+class Saver:
+    """Checkpoints every trainer.save_every steps.  A failed save (a full disk) is reported, its incomplete
+    directory removed, and tried again 1, 2, 4... steps later while training goes on: checkpoints only shorten a
+    replay after a crash, so they are not worth stopping for."""
+
+    def __init__(self, run: Run, state: TrainState, report: Reporter):
+        self.run, self.report = run, report
+        self.last_saved = state.step
+        self.retry_at: int | None = None
+        self.backoff = 1
+
+    def due(self, step: int) -> bool:
+        return step % self.run.config.trainer.save_every == 0 or (
+            self.retry_at is not None and step >= self.retry_at
         )
-    return time.monotonic() - t0
+
+    def save(self, models: Models, state: TrainState) -> bool:
+        """Save ``state.step`` (collective); False when it failed (reported, retried later)."""
+        try:
+            ckpt.save_checkpoint(
+                self.run.layout,
+                state.step,
+                *models.parts(),
+                {"train_state": asdict(state), **models.state()},
+                keep=self.run.config.trainer.keep_checkpoints,
+            )
+        except (OSError, ckpt.CheckpointError, CheckpointException) as e:
+            self._failed(state.step, e)
+            return False
+        self.last_saved, self.retry_at, self.backoff = state.step, None, 1
+        return True
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        self.report.error(f"checkpoint of step {step} failed: {_cause(e)}")
+        if tdist.is_main() and not ckpt.is_complete(self.run.layout, step):
+            shutil.rmtree(self.run.layout.checkpoint(step), ignore_errors=True)  # its space back
+        tdist.barrier()
+        self.retry_at = step + self.backoff
+        self.backoff = min(2 * self.backoff, self.run.config.trainer.save_every)
+
+    def final(self, models: Models, state: TrainState, stop: StopFlag) -> None:
+        """The last save of this incarnation, tried a few times (1, 2, 4 s apart) before giving up."""
+        for attempt in range(FINAL_SAVE_ATTEMPTS):
+            if state.step == self.last_saved or self.save(models, state):
+                return
+            if attempt + 1 < FINAL_SAVE_ATTEMPTS:
+                time.sleep(2.0**attempt)
+        raise OSError(f"no checkpoint of step {state.step}: {self.report.last_error}")
 
 
-def save(run: Run, models: Models, state: TrainState) -> None:
-    ckpt.save_checkpoint(
-        run.layout,
-        state.step,
-        *models.parts(),
-        {"train_state": asdict(state), **models.state()},
-        keep=run.config.trainer.keep_checkpoints,
-    )
+def _cause(e: BaseException) -> str:
+    """One line for a failed save: DCP wraps each rank's error (with its traceback) in a CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
 
 
-def run_steps(
-    run: Run, models: Models, state: TrainState, feeder: Feeder, report: Reporter, plan_log: PlanLog | None
-) -> None:
-    t = run.config.trainer
-    pad_id = int(getattr(models.actor.config, "pad_token_id", None) or 0)
-    done, last_saved = 0, state.step
+@dataclass
+class Loop:
+    run: Run
+    models: Models
+    state: TrainState
+    feeder: Feeder
+    report: Reporter
+    versions: Versions
+    saver: Saver
+    plan_log: PlanLog | None
+
+
+def feed(loop: Loop, step: int) -> StepBatch | None:
+    """The next step's samples; while waiting, the status says for what, and the publish in flight is settled."""
+    state, report = loop.state, loop.report
+
+    def waiting(what: str) -> None:
+        report.status("waiting", state, loop.feeder.counts(), waiting=what)
+
+    def idle() -> dict[str, float]:
+        return loop.versions.settle(loop.models, state)
+
+    return loop.feeder.next(step, state.version, waiting, idle)
+
+
+def train_one(
+    loop: Loop, step: int, batch: StepBatch, last: bool, pad_id: int
+) -> tuple[dict[str, float], float]:
+    """Compute ``step`` (rank 0 plans the next one meanwhile); its metrics and compute seconds."""
+    if not batch.samples:  # a step of drops only, or a replay whose samples are all gone
+        return {}, 0.0
+    loop.report.status("training", loop.state, loop.feeder.counts())
+    if not last:
+        loop.feeder.prefetch(step + 1, loop.versions.version_after(step, loop.state, batch))
+    t0 = time.monotonic()
+    m = train_step(loop.run.config, loop.models, batch.samples, pad_id)
+    return m, time.monotonic() - t0
+
+
+def run_steps(loop: Loop) -> None:
+    t, state = loop.run.config.trainer, loop.state
+    pad_id = int(getattr(loop.models.actor.config, "pad_token_id", None) or 0)
+    done = 0  # steps trained by this invocation (steps of drops only do not count)
     while t.max_steps is None or done < t.max_steps:
         step = state.step + 1
-        batch, wait_s = feeder.next(step, state.version, report)
+        batch = feed(loop, step)
         if batch is None:
             break
-        report.status("training", state.step, state.version, feeder.counts())
-        t0, version = time.monotonic(), state.version
-        m = train_step(run.config, models, batch.samples, pad_id)
+        times = dict(batch.timings)
+        last = t.max_steps is not None and done + 1 == t.max_steps
+        version = state.version
+        m, times["compute"] = train_one(loop, step, batch, last, pad_id)
+        done += int(bool(batch.samples))
         state.advance(step, batch)
-        done, step_s = done + 1, time.monotonic() - t0
-        if step % t.publish_every == 0:
-            check_fence(plan_log)
-            m["publish_s"] = publish(run, models, state, final=done == t.max_steps)
-        if step % t.save_every == 0:
-            check_fence(plan_log)
-            save(run, models, state)
-            last_saved = step
-        report.step(step, step_metrics(batch, m, version, wait_s, step_s), state, feeder.counts())
-    if run.config.model.lora.enabled and done and state.merged_step != state.step:
-        check_fence(plan_log)  # a LoRA run ends on merged full weights
-        publish(run, models, state, final=True)
-    if state.step != last_saved:
-        check_fence(plan_log)
-        save(run, models, state)
+        if loop.versions.due(step, batch):
+            times.update(loop.versions.publish(loop.models, state, final=last))
+        if loop.saver.due(step):
+            t0 = time.monotonic()
+            times.update(
+                loop.versions.settle(loop.models, state)
+            )  # a checkpoint names committed versions only
+            check_fence(loop.plan_log)
+            loop.saver.save(loop.models, state)
+            times["checkpoint"] = time.monotonic() - t0
+        loop.report.step(step, step_metrics(batch, m, version, times), state, loop.feeder.counts())
+    finish(loop, done)
+
+
+def finish(loop: Loop, done: int) -> None:
+    """End on committed weights (merged full weights for LoRA) and a checkpoint of the last step."""
+    state = loop.state
+    if loop.run.config.model.lora.enabled and done and state.merged_step != state.step:
+        loop.versions.publish(loop.models, state, final=True)
+    loop.versions.settle(loop.models, state)
+    if state.step != loop.saver.last_saved:
+        check_fence(loop.plan_log)
+        loop.saver.final(loop.models, state, loop.feeder.stop)
 
 
 def train(run: Run) -> TrainState:
@@ -376,12 +462,19 @@ def train(run: Run) -> TrainState:
     plan_log, epoch = claim(run)
     models = build_models(run)
     state = resume(run, models, epoch)
-    feeder = Feeder(run, state, plan_log, stop)
+    feeder = Feeder(run, state.step, plan_log, stop)
     report = Reporter(run, epoch, state)
+    problem = on_rank0(lambda: latest_problem(run.layout))
+    if problem is not None:  # the next commit replaces it
+        report.error(f"{problem}; publishing v{state.version + 1} next")
+    versions = Versions(run, plan_log, report, stop)
+    loop = Loop(run, models, state, feeder, report, versions, Saver(run, state, report), plan_log)
     try:
-        run_steps(run, models, state, feeder, report, plan_log)
-        report.status("stopped", state.step, state.version, feeder.counts())
+        run_steps(loop)
+        report.status("stopped", state, feeder.counts())
     finally:
+        feeder.close()
+        versions.close()
         report.close()
     if feeder.timed_out:
         t = run.config.trainer
@@ -393,8 +486,8 @@ def train(run: Run) -> TrainState:
 
 
 def run_trainer(run: Run) -> int:
-    """Exit status: 0 done, 3 fenced out by a newer incarnation, 4 gave up waiting for samples (a bad config never
-    gets here: the config rules refused it when the run was opened)."""
+    """Exit status: 0 done, 1 the last checkpoint could not be saved, 3 fenced out by a newer incarnation, 4 gave up
+    waiting for samples (a bad config never gets here: the config rules refused it when the run was opened)."""
     torch.manual_seed(run.config.run.seed)
     try:
         train(run)
@@ -402,6 +495,8 @@ def run_trainer(run: Run) -> int:
         code, msg = EXIT_FENCED, f"trainer: stopped: {e}"
     except TimeoutError as e:
         code, msg = EXIT_TIMEOUT, f"trainer: gave up: {e}"
+    except OSError as e:
+        code, msg = 1, f"trainer: stopped: {e}"
     else:
         tdist.teardown()
         return 0

@@ -21,13 +21,29 @@ def setup_logging(rank: int) -> None:
     )
 
 
+def _time(m: dict[str, Any]) -> str:
+    """The step's wall time and where it went besides computing (only the parts that took 1% or more)."""
+    parts = [
+        f"{name} {100 * m.get(f'{name}_frac', 0):.0f}%"
+        for name in ("wait", "plan", "load", "publish", "checkpoint")
+        if name == "wait" or m.get(f"{name}_frac", 0) >= 0.01
+    ]
+    return f"{m.get('step_s', 0):.2f} s ({', '.join(parts)})"
+
+
 def step_line(step: int, m: dict[str, Any]) -> str:
-    """The fixed-field console line of a step (PPO runs add the critic's error)."""
+    """The fixed-field console line of a step (PPO runs add the critic's error; a step that trained nothing says
+    what it did instead)."""
+    if not m.get("samples"):
+        missing = f", {m['replay_missing']} replayed samples unreadable" if m.get("replay_missing") else ""
+        return f"step {step} | no samples: dropped {m.get('dropped_stale', 0)} stale{missing} | {_time(m)}"
     value = f"value mse {m['value_mse']:.4f} | " if "value_mse" in m else ""
     entropy = f"{m['entropy']:.3f}" if "entropy" in m else "-"
+    missing = f" | {m['replay_missing']} unreadable" if m.get("replay_missing") else ""
     return (
-        f"step {step} | reward {m.get('reward_mean', 0):.3f} | kl {m.get('kl_ref', 0):.4f} | "
-        f"entropy {entropy} | clip {m.get('clip_frac', 0):.3f} | {value}"
-        f"stale {m.get('staleness_mean', 0):.2f} (dropped {m.get('dropped_stale', 0)}) "
-        f"| {m.get('tokens_per_s', 0):.0f} tok/s | wait {100 * m.get('wait_frac', 0):.0f}%"
+        f"step {step} | loss {m.get('loss', 0):.4f} | reward {m.get('reward_mean', 0):.3f} | "
+        f"kl {m.get('kl_ref', 0):.4f} | entropy {entropy} | clip {m.get('clip_frac', 0):.3f} | "
+        f"grad-norm {m.get('grad_norm', 0):.3f} | lr {m.get('lr', 0):.2e} | {value}"
+        f"stale {m.get('staleness_mean', 0):.2f} (dropped {m.get('dropped_stale', 0)}){missing} | "
+        f"{m.get('tokens_per_s', 0):.0f} tok/s | {_time(m)} | peak {m.get('peak_mem_gib', 0):.2f} GiB"
     )

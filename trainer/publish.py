@@ -8,11 +8,13 @@ Called on every rank (``publish_weights``); nothing is gathered whole on one ran
    bucket (about ``bucket_bytes`` of weights) sends every shard straight to its tensor's owner.  A rank thus receives
    only the rows of the tensors it owns (about model/world bytes) instead of the whole model, as ``full_tensor()`` per
    tensor would do on every rank, and the bytes travel in the (half-size, for bf16) publish dtype.
-3. The owner reassembles its tensors and appends them to its own ``model-RRRRR-of-WWWWW.safetensors``; the header
-   is known from the shapes up front, so the file is streamed: a writer thread and a hashing thread work on bucket k
-   (from pinned host memory on GPU) while the ranks exchange bucket k + 1.
-4. Rank 0 writes the index, ``config.json`` (dtype set to the publish dtype), the generation config and tokenizer
-   files, and calls ``buffer.weights.commit_version`` (manifest last, rename, LATEST) with every rank's sha256.
+3. The owner reassembles its tensors into one host buffer (pinned on GPU, reused across publishes), in the order of
+   its own ``model-RRRRR-of-WWWWW.safetensors``.  That is the end of the device work (``stage_weights``).
+4. Each rank streams its buffer into its file (the header is known from the shapes up front; a writer thread and a
+   hashing thread work side by side); rank 0 writes the index, ``config.json`` (dtype set to the publish dtype), the
+   generation config and tokenizer files, and calls ``buffer.weights.commit_version`` (manifest last, rename,
+   LATEST) with every rank's sha256 (``write_staged``).  The trainer's loop runs this half in a thread, over a
+   process group of its own, while the next step computes.
 
 With LoRA (``trainer/lora.py``) a version is the adapter alone: ``adapter_config.json`` and
 ``adapter_model.safetensors`` under peft's names, gathered to rank 0 (a few MB to a few hundred MB: not worth the
@@ -30,6 +32,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +45,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from buffer.config import AdapterConfig
 from buffer.layout import RunLayout
+from buffer.plans import FencedError
 from buffer.weights import WeightsError, base_model_hash, commit_version, staging_dir
 from trainer import dist as tdist
 from trainer import lora as tlora
@@ -68,7 +72,7 @@ _SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin
 INDEX = "model.safetensors.index.json"
 ADAPTER_DIR = "adapter"  # the adapter inside a merged full version
 _WRITE_BLOCK = 64 << 20  # bytes per write() call
-# Host buffers of _HostStaging, kept across publishes: pinning memory is slow.
+# The host buffer of the tensors a rank writes, kept across publishes: pinning memory is slow.
 _PINNED: list[torch.Tensor] = []
 
 
@@ -275,35 +279,6 @@ class _StreamWriter:
         return self._sha.hexdigest()
 
 
-class _HostStaging:
-    """Device -> host copies of exchanged buckets; on GPU through two reused pinned buffers (pageable copies are
-    ~30x slower), so bucket k is written from one buffer while bucket k + 1 lands in the other."""
-
-    def __init__(self, device: torch.device, max_bytes: int):
-        self.cuda = device.type == "cuda"
-        self._waits: list[list[Future[Any]]] = [[], []]
-        self._slot = 0
-        if self.cuda and max_bytes > 0:
-            cache = _PINNED
-            if len(cache) < 2 or cache[0].numel() < max_bytes:
-                cache[:] = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-
-    def to_host(self, block: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if not self.cuda:
-            return block, -1
-        slot, self._slot = self._slot, 1 - self._slot
-        for f in self._waits[slot]:
-            f.result()
-        host = _PINNED[slot][: block.numel()]
-        host.copy_(block, non_blocking=True)
-        torch.cuda.current_stream(block.device).synchronize()
-        return host, slot
-
-    def track(self, slot: int, futures: list[Future[Any]]) -> None:
-        if slot >= 0:
-            self._waits[slot] = futures
-
-
 def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) -> torch.Tensor:
     """One all_to_all: every rank sends its rows of each tensor to the tensor's owner.  Returns this rank's owned
     tensors of the bucket, whole and back to back in bucket order, as uint8 on ``device``."""
@@ -330,43 +305,71 @@ def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) ->
     return torch.cat([pieces[src][j] for j in range(len(mine)) for src in range(world)])
 
 
-def _write_rank_file(
-    items: list[_Item], buckets: list[list[_Item]], path: Path, device: torch.device
-) -> str | None:
-    """Gather this rank's tensors and stream them into ``path``; its sha256, or None when it owns nothing.
+def _host_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
+    """A host buffer of at least ``nbytes``, reused across publishes (pinned on GPU: pageable copies are ~30x slower,
+    and pinning memory is slow).  Safe to reuse: a version is staged only once the previous one is written."""
+    pinned = device.type == "cuda"
+    if not _PINNED or _PINNED[0].numel() < nbytes or _PINNED[0].is_pinned() != pinned:
+        _PINNED[:] = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)]
+    return _PINNED[0][:nbytes]
 
-    Every rank runs the same sequence of collectives, owner or not.
+
+def _stage_rank_bytes(
+    items: list[_Item], buckets: list[list[_Item]], device: torch.device
+) -> tuple[list[_Item], torch.Tensor | None]:
+    """Gather this rank's tensors into host memory, back to back in file order: (those tensors, their bytes).
+
+    Every rank runs the same sequence of collectives, owner or not.  The bytes are a copy (never a view of a
+    parameter), so the model may train on while they are written.
     """
     me, world = tdist.rank(), tdist.world()
     loose = [it for it in items if not it.sharded]
     order = [it for it in loose if it.owner == me] + [it for b in buckets for it in b if it.owner == me]
-    writer = _StreamWriter(path) if order else None
-    if writer is not None:
-        writer.append(_header(order))
+    host = _host_buffer(device, sum(it.nbytes for it in order)) if order else None
+    offset = 0
+
+    def put(block: torch.Tensor) -> None:
+        nonlocal offset
+        assert host is not None
+        host[offset : offset + block.numel()].copy_(block, non_blocking=True)
+        offset += block.numel()
+
     for it in loose:  # plain tensors (every rank holds them) and DTensors of another layout: rare and small
         full = _whole(it)
-        if writer is not None and it.owner == me:
-            writer.append(_as_bytes(full, it.dtype).cpu())
-    max_bytes = max((sum(it.nbytes for it in b if it.owner == me) for b in buckets), default=0)
-    staging = _HostStaging(device, max_bytes)
+        if it.owner == me:
+            put(_as_bytes(full, it.dtype))
     for bucket in buckets:
         block = _exchange(bucket, me, world, device)
-        if writer is not None and block.numel():
-            host, slot = staging.to_host(block)
-            staging.track(slot, writer.append(host))
-    return writer.close() if writer is not None else None
+        if block.numel():
+            put(block)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the copies into pinned memory are asynchronous
+    return order, host
+
+
+def _write_rank_file(path: Path, header: bytes, host: torch.Tensor | None) -> str:
+    """Stream ``header`` and ``host`` into ``path`` (fsynced); the file's sha256."""
+    writer = _StreamWriter(path)
+    writer.append(header)
+    if host is not None and host.numel():
+        writer.append(host)
+    return writer.close()
 
 
 def _fresh_staging(layout: RunLayout, version: int) -> Path:
-    """The staging directory, emptied by rank 0 (a publisher that died may have left files of another world size)."""
+    """The staging directory, emptied by rank 0 (a publisher that died may have left files of another world size).
+    A storage error there (a full disk) is raised on every rank alike."""
     error = None
     if tdist.is_main():
-        if layout.weight_version(version).exists():
-            error = f"{layout.weight_version(version)}: version {version} is already published"
-        else:
-            d = staging_dir(layout, version)
-            if any(d.iterdir()):
-                shutil.rmtree(d)
+        try:
+            if layout.weight_version(version).exists():
+                error = f"{layout.weight_version(version)}: version {version} is already published"
+            else:
+                d = staging_dir(layout, version)
+                if any(d.iterdir()):
+                    shutil.rmtree(d)
+        except OSError as e:
+            error = f"staging version {version}: {e}"
     error = tdist.broadcast_object(error)
     if error:
         raise WeightsError(error)
@@ -374,10 +377,13 @@ def _fresh_staging(layout: RunLayout, version: int) -> Path:
     return staging_dir(layout, version)
 
 
-def _write_metadata(staging: Path, items: list[_Item], world: int, dtype: str, src_model_dir: Path) -> None:
-    """Rank 0: index (weight_map), config.json with the publish dtype, generation config and tokenizer files."""
+def _index(items: list[_Item], world: int) -> dict[str, Any]:
     weight_map = {it.name: shard_file_name(it.owner, world) for it in items}
-    index = {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": weight_map}
+    return {"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": weight_map}
+
+
+def _write_metadata(staging: Path, index: dict[str, Any], dtype: str, src_model_dir: Path) -> None:
+    """Rank 0: index (weight_map), config.json with the publish dtype, generation config and tokenizer files."""
     (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     src = Path(src_model_dir)
     try:
@@ -396,25 +402,191 @@ def _write_metadata(staging: Path, items: list[_Item], world: int, dtype: str, s
             shutil.copyfile(f, staging / f.name)
 
 
-def _write_adapter(model: nn.Module, out: Path, dtype: torch.dtype, lora: AdapterConfig, base: Path) -> None:
-    """Gather every adapter tensor to rank 0 (collective), which writes peft's two files into ``out``."""
-    from safetensors.torch import save_file
-
+def _gather_adapter(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Every adapter tensor under peft's name, gathered to rank 0 (collective) as host copies; None elsewhere."""
     tensors: dict[str, torch.Tensor] = {}
     for raw, p in hf_module(model).named_parameters():
         name = hf_name(raw)
         if tlora.is_adapter_param(name):
             full = _full(p.detach())  # every rank, same order
             if tdist.is_main():
-                tensors[tlora.peft_name(name)] = full.to(dtype).cpu().contiguous()
+                tensors[tlora.peft_name(name)] = full.to(dtype).cpu().contiguous().clone()
     if not tdist.is_main():
-        return
+        return None
     if not tensors:
         raise WeightsError("publish: model.lora is on but the model has no LoRA adapter parameters")
+    return tensors
+
+
+def _save_adapter(tensors: dict[str, torch.Tensor], out: Path, lora: AdapterConfig, base: Path) -> None:
+    """Rank 0: peft's two files of the adapter into ``out``."""
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     for fname, text in tlora.adapter_files(lora, base).items():
         (out / fname).write_text(text)
+
+
+@dataclass
+class StagedVersion:
+    """One rank's part of a weight version, off the device: everything the write needs, nothing of the model."""
+
+    layout: RunLayout
+    version: int
+    step: int
+    dtype: str
+    staging: Path
+    src_model_dir: Path
+    rank_file: Path | None = None  # this rank's safetensors file (None: it owns no tensor)
+    header: bytes = b""
+    host: torch.Tensor | None = None  # the tensors of rank_file, back to back
+    index: dict[str, Any] | None = None  # rank 0, full weights: the safetensors index
+    adapter: dict[str, torch.Tensor] | None = None  # rank 0, LoRA: the adapter's tensors
+    adapter_dir: str | None = None  # where the adapter goes in the version ("." or ADAPTER_DIR)
+    lora: AdapterConfig | None = None
+    kind: str = "full"  # "full" | "adapter", as the manifest says
+
+    @property
+    def nbytes(self) -> int:
+        return (self.host.numel() if self.host is not None else 0) + len(self.header)
+
+
+class PublishError(RuntimeError):
+    """A version could not be written or committed (the same message on every rank); its staging is removed."""
+
+
+def stage_weights(
+    model: nn.Module,
+    layout: RunLayout,
+    version: int,
+    step: int,
+    *,
+    dtype: str,
+    tied: bool,
+    src_model_dir: Path,
+    bucket_bytes: int = 512 << 20,
+    lora: AdapterConfig | None = None,
+    merged: bool = False,
+) -> StagedVersion:
+    """The device half of a publish (collective): empty the staging directory, exchange every tensor to its owner
+    rank and copy it to host memory.  ``write_staged`` does the rest, possibly in another thread while the model
+    trains on.  Arguments as ``publish_weights``."""
+    if dtype not in PUBLISH_DTYPES:
+        raise WeightsError(f"publish dtype {dtype!r} is not one of {', '.join(PUBLISH_DTYPES)}")
+    world, me = tdist.world(), tdist.rank()
+    device = tdist.current_device()
+    full = lora is None or merged
+    reshard(model)  # parameters must be the sharded DTensors, not a root's gathered copies
+    staging = _fresh_staging(layout, version)
+    staged = StagedVersion(
+        layout,
+        version,
+        step,
+        dtype,
+        staging,
+        Path(src_model_dir),
+        lora=lora,
+        kind="full" if full else "adapter",
+    )
+    with torch.no_grad():
+        if lora is not None:
+            staged.adapter_dir = ADAPTER_DIR if merged else "."
+            staged.adapter = _gather_adapter(model, PUBLISH_DTYPES[dtype])
+        if full:
+            items = _collect(model, PUBLISH_DTYPES[dtype], tied, world)
+            buckets = _plan(items, world, bucket_bytes)
+            order, staged.host = _stage_rank_bytes(items, buckets, device)
+            if order:
+                staged.rank_file, staged.header = staging / shard_file_name(me, world), _header(order)
+            staged.index = _index(items, world) if me == 0 else None
+    return staged
+
+
+def _write_rank0_files(staged: StagedVersion) -> None:
+    if staged.adapter is not None and staged.lora is not None and staged.adapter_dir is not None:
+        _save_adapter(staged.adapter, staged.staging / staged.adapter_dir, staged.lora, staged.src_model_dir)
+    if staged.index is not None:
+        _write_metadata(staged.staging, staged.index, staged.dtype, staged.src_model_dir)
+
+
+def _commit(staged: StagedVersion, digests: list[str | None]) -> None:
+    world = len(digests)
+    known = {shard_file_name(r, world): d for r, d in enumerate(digests) if d is not None}
+    base = (
+        {}
+        if staged.lora is None
+        else {"base_model": str(staged.src_model_dir), "base_sha256": base_model_hash(staged.src_model_dir)}
+    )
+    commit_version(
+        staged.layout,
+        staged.version,
+        staged.staging,
+        step=staged.step,
+        dtype=staged.dtype,
+        file_sha256=known,
+        kind=staged.kind,
+        adapter=staged.adapter_dir,
+        **base,
+    )
+
+
+def _gather_objects(obj: Any, group: Any) -> list[Any]:
+    if tdist.world() == 1:
+        return [obj]
+    out: list[Any] = [None] * tdist.world()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _broadcast(obj: Any, group: Any) -> Any:
+    if tdist.world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def write_staged(
+    staged: StagedVersion, group: Any = None, before_commit: Callable[[], None] | None = None
+) -> None:
+    """The host half of a publish, on every rank (collective over ``group``, which may be a process group of its
+    own so that this runs in a thread beside the training collectives): each rank writes its file, rank 0 the
+    metadata, then rank 0 runs ``before_commit`` (a fence check) and commits (manifest last, rename, LATEST).
+
+    Any failure (a full disk on any rank) raises PublishError with one message on every rank, after rank 0 removed
+    the staging directory; FencedError from ``before_commit`` is raised as such on every rank.
+    """
+    error = sha = None
+    try:
+        if staged.rank_file is not None:
+            sha = _write_rank_file(staged.rank_file, staged.header, staged.host)
+        if tdist.is_main():
+            _write_rank0_files(staged)
+    except Exception as e:  # any rank's failure must reach rank 0's decision, or the ranks would part ways
+        error = f"rank {tdist.rank()}: {e}"
+    results = _gather_objects((sha, error), group)
+    outcome: tuple[str, str] | None = None
+    if tdist.is_main():
+        failed = [e for _, e in results if e]
+        outcome = ("error", failed[0]) if failed else None
+        if outcome is None:
+            try:
+                if before_commit is not None:
+                    before_commit()
+                _commit(staged, [d for d, _ in results])
+            except FencedError as e:
+                outcome = ("fenced", str(e))
+            except (OSError, WeightsError) as e:
+                outcome = ("error", str(e))
+        if outcome is not None:
+            shutil.rmtree(staged.staging, ignore_errors=True)  # a full disk gets its space back
+    outcome = _broadcast(outcome, group)
+    if outcome is not None:
+        kind, message = outcome
+        if kind == "fenced":
+            raise FencedError(message)
+        raise PublishError(f"publishing v{staged.version}: {message}")
 
 
 def publish_weights(
@@ -436,45 +608,19 @@ def publish_weights(
     ``lm_head.weight`` alias; ``src_model_dir`` is the base model whose config and tokenizer files ride along.
     With ``lora`` (``model.lora`` of a model that carries adapters) the version is the adapter alone, or with
     ``merged`` the merged full weights plus the adapter in ``adapter/``.
-    Returns once LATEST points at the new version on every rank.
+    Returns once LATEST points at the new version on every rank.  (The trainer's loop runs the two halves,
+    ``stage_weights`` and ``write_staged``, apart: the write overlaps the next step.)
     """
-    if dtype not in PUBLISH_DTYPES:
-        raise WeightsError(f"publish dtype {dtype!r} is not one of {', '.join(PUBLISH_DTYPES)}")
-    world, me = tdist.world(), tdist.rank()
-    device = tdist.current_device()
-    full = lora is None or merged
-    adapter = None if lora is None else ADAPTER_DIR if merged else "."
-    reshard(model)  # parameters must be the sharded DTensors, not a root's gathered copies
-    with torch.no_grad():
-        staging = _fresh_staging(layout, version)
-        if lora is not None:
-            _write_adapter(model, staging / str(adapter), PUBLISH_DTYPES[dtype], lora, Path(src_model_dir))
-        items: list[_Item] = []
-        sha = None
-        if full:
-            items = _collect(model, PUBLISH_DTYPES[dtype], tied, world)
-            buckets = _plan(items, world, bucket_bytes)
-            sha = _write_rank_file(items, buckets, staging / shard_file_name(me, world), device)
-    digests = tdist.all_gather_object(sha)  # also the point where every rank's file is closed and fsynced
-    if me == 0:
-        if full:
-            _write_metadata(staging, items, world, dtype, src_model_dir)
-        known = {shard_file_name(r, world): d for r, d in enumerate(digests) if d is not None}
-        base = (
-            {}
-            if lora is None
-            else {"base_model": str(src_model_dir), "base_sha256": base_model_hash(src_model_dir)}
-        )
-        kind = "full" if full else "adapter"
-        commit_version(
-            layout,
-            version,
-            staging,
-            step=step,
-            dtype=dtype,
-            file_sha256=known,
-            kind=kind,
-            adapter=adapter,
-            **base,
-        )
-    tdist.barrier()
+    staged = stage_weights(
+        model,
+        layout,
+        version,
+        step,
+        dtype=dtype,
+        tied=tied,
+        src_model_dir=src_model_dir,
+        bucket_bytes=bucket_bytes,
+        lora=lora,
+        merged=merged,
+    )
+    write_staged(staged)

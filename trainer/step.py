@@ -413,6 +413,8 @@ def train_step(
             # FSDP averages gradients over ranks; losses are already normalised by global counts, so undo the mean
             (loss * tdist.world()).backward()
             metrics.add(m, mini.share(i, len(minis)))
+            # the losses are normalised by global counts: their sum over micro-batches and ranks is the update's
+            metrics.add({"loss": loss.detach()}, 1.0 / len(minis))
         if grad_hook is not None:
             grad_hook(models)
         _update(models, cfg.trainer.grad_clip, norms)

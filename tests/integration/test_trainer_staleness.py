@@ -12,7 +12,7 @@ from buffer.layout import RunLayout
 from buffer.plans import valid_plans
 from buffer.run import open_run
 from buffer.shards import ShardWriter
-from buffer.weights import write_latest
+from buffer.weights import commit_version, staging_dir
 
 from ._trainer_helpers import command, make_run, metrics, run_ok, trainer_args
 
@@ -47,6 +47,13 @@ def _ids(layout: RunLayout, worker: str) -> list[str]:
     ]
 
 
+def _publish_placeholder(layout: RunLayout, version: int) -> None:
+    """A committed weight version (a placeholder file): the trainer counts its numbers from versions on disk."""
+    staging = staging_dir(layout, version)
+    (staging / "model.safetensors").write_bytes(b"\0" * 16)
+    commit_version(layout, version, staging, step=0, dtype="float32")
+
+
 def _run_at_version(tmp: Path, model: Path, mode: str) -> RunLayout:
     """A run whose trainer starts at weight version 3 (as if it had published 3 versions), with 16 samples of
     version 0 (3 behind, over the bound of 1) and 16 of version 3."""
@@ -60,7 +67,7 @@ def _run_at_version(tmp: Path, model: Path, mode: str) -> RunLayout:
     )
     _shard(layout, "old", version=0, groups=2)
     _shard(layout, "new", version=3, groups=2)
-    write_latest(layout, 3, step=0)
+    _publish_placeholder(layout, 3)
     run_ok(command(1, *trainer_args(layout, "--max-steps", 1)), tmp / f"{mode}.log")
     return layout
 

@@ -90,7 +90,7 @@ def test_planner_records_drops_and_never_plans_a_sample_twice(tmp_path) -> None:
     assert len(ids) == len(set(ids)) == 12
     # A restarted planner replays a recorded plan with the same rows, in the same order.
     again = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
-    assert [r.sample_id for r in again.replay(valid[2])] == valid[2].sample_ids
+    assert [r.sample_id for r in again.replay(valid[2]).samples] == valid[2].sample_ids
     assert again.try_plan(3, 4, 6, 2, True) is None
 
 

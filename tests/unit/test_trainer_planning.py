@@ -1,0 +1,119 @@
+"""Planning under bad storage states (trainer/data.py): a shard copied under a second valid name is quarantined,
+never planned twice; stale samples are dropped by a plan of drops only while the trainer waits, and the backlog
+stops counting them; a replay goes on without the samples of a shard that vanished or was damaged after planning."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from buffer import plans, shards
+from buffer.layout import RunLayout
+from buffer.shards import ShardName, ShardWriter
+from buffer.status import backlog
+from trainer.data import Planner
+
+from .buffer_helpers import make_layout, sample
+
+
+def _publish(layout: RunLayout, groups: list[str], version: int = 0, worker: str = "w0") -> str:
+    w = ShardWriter(layout, "run", worker)
+    for g in groups:
+        for i in range(4):
+            w.add(sample(i, group=g, version=version) | {"sample_id": f"{g}.{i}"})
+    path = w.flush()
+    assert path is not None
+    return path.name
+
+
+def _copy_under_new_name(layout: RunLayout, name: str) -> str:
+    """The same bytes under another valid shard name (another sequence number): a duplicated shard."""
+    s = ShardName.parse(name)
+    assert s is not None
+    copy = ShardName(s.worker_id, s.incarnation, s.seq + 100, s.rows, s.crc).name
+    shutil.copyfile(layout.ready_shard(name), layout.ready_shard(copy))
+    return copy
+
+
+def _all_planned(layout: RunLayout) -> list[str]:
+    return [s for p in plans.valid_plans(layout).values() for s in p.sample_ids + p.dropped_ids]
+
+
+def _reason(layout: RunLayout, name: str) -> str:
+    return str(json.loads(layout.quarantine_reason(name).read_text())["reason"])
+
+
+def test_a_duplicated_shard_is_quarantined_and_the_step_proceeds(tmp_path: Path) -> None:
+    layout = make_layout(tmp_path)
+    original = _publish(layout, ["a", "b"])
+    copy = _copy_under_new_name(layout, original)
+    planner = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    got = planner.try_plan(1, 8, current_version=0, max_staleness=4, drop_stale=True)
+    assert got is not None
+    plan, rows = got
+    assert sorted(plan.sample_ids) == sorted(f"{g}.{i}" for g in "ab" for i in range(4))
+    assert len(rows) == 8 and plan.shards == [original]
+    assert not layout.ready_shard(copy).exists() and layout.quarantined_shard(copy).exists()
+    assert "duplicate" in _reason(layout, copy) and original in _reason(layout, copy)
+    assert planner.try_plan(2, 4, 0, 4, True) is None  # the copy's samples are not there to plan again
+
+
+def test_a_copy_of_a_consumed_shard_is_quarantined_but_the_original_is_not_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    layout = make_layout(tmp_path)
+    original = _publish(layout, ["a"])
+    planner = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    assert planner.try_plan(1, 4, 0, 4, True) is not None
+    copy = _copy_under_new_name(layout, original)
+    assert planner.try_plan(2, 4, 0, 4, True) is None
+    assert layout.quarantined_shard(copy).exists() and "already consumed" in _reason(layout, copy)
+    # A restarted trainer sees the consumed original again: it is the shard its plan names, not a duplicate.
+    again = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    assert again.try_plan(2, 4, 0, 4, True) is None
+    assert layout.ready_shard(original).exists() and shards.quarantined(layout) == [copy]
+    assert sorted(_all_planned(layout)) == [f"a.{i}" for i in range(4)]
+
+
+def test_stale_samples_are_dropped_while_waiting_and_leave_the_backlog(tmp_path: Path) -> None:
+    layout = make_layout(tmp_path)
+    _publish(layout, ["old0", "old1"], version=0)
+    _publish(layout, ["new"], version=5, worker="w1")
+    planner = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    assert backlog(layout).unconsumed_samples == 12
+    # 4 fresh samples cannot fill a step of 8: without drop_only nothing is written, and the wait says why.
+    assert planner.try_plan(1, 8, 5, 2, True) is None
+    assert (planner.waiting.fresh, planner.waiting.stale) == (4, 8)
+    got = planner.try_plan(1, 8, 5, 2, True, drop_only=True)
+    assert got is not None
+    plan, rows = got
+    assert rows == [] and plan.sample_ids == [] and len(plan.dropped_ids) == 8
+    assert backlog(layout).unconsumed_samples == 4 and backlog(layout).dropped_samples == 8
+    # Dropped for good: the next step trains the fresh group only, never an old sample.
+    _publish(layout, ["new2"], version=5, worker="w2")
+    got = planner.try_plan(2, 8, 5, 2, True, drop_only=True)
+    assert got is not None and {r.group_id for r in got[1]} == {"new", "new2"}
+    ids = _all_planned(layout)
+    assert len(ids) == len(set(ids)) == 16
+    # Only fresh samples and too few: a drop-only step is never written for nothing.
+    assert planner.try_plan(3, 8, 5, 2, True, drop_only=True) is None
+
+
+def test_replay_goes_on_without_a_shard_damaged_or_gone_after_planning(tmp_path: Path) -> None:
+    layout = make_layout(tmp_path)
+    first = _publish(layout, ["a"])
+    second = _publish(layout, ["b"], worker="w1")
+    third = _publish(layout, ["c"], worker="w2")
+    planner = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    got = planner.try_plan(1, 12, 0, 4, True)
+    assert got is not None and sorted(got[0].shards) == sorted([first, second, third])
+    layout.ready_shard(first).unlink()  # gone
+    data = bytearray(layout.ready_shard(second).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # damaged: its checksum no longer matches its name
+    layout.ready_shard(second).write_bytes(bytes(data))
+    again = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    replayed = again.replay(plans.valid_plans(layout)[1])
+    assert [r.sample_id for r in replayed.samples] == [f"c.{i}" for i in range(4)]
+    assert sorted(replayed.missing) == sorted(f"{g}.{i}" for g in "ab" for i in range(4))
+    assert len(replayed.problems) == 2 and layout.quarantined_shard(second).exists()
