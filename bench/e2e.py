@@ -442,23 +442,32 @@ def trainer_idle(
     return waiting, "polled trainer status (no wait_s logged)"
 
 
+def measured_steps(metrics: dict[int, dict], plans: dict[int, Any], warmup: int) -> tuple[int, list[int]]:
+    """The step the window opens on (the ``warmup``-th that trained samples) and the steps after it up to the last
+    that trained; steps that only dropped stale samples fall in between and count for waits and drops."""
+    trained = [s for s in sorted(metrics) if s in plans and plans[s].sample_ids]
+    if len(trained) <= warmup:
+        raise ModeFailed(f"{len(trained)} trained steps, not more than --warmup-steps {warmup}")
+    first = trained[warmup - 1]
+    return first, [s for s in range(first + 1, trained[-1] + 1) if s in plans and s in metrics]
+
+
 def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
     metrics, plans = trainer_steps(layout), valid_plans(layout)
-    last = max(metrics, default=0)
-    steps = [s for s in range(warmup + 1, last + 1) if s in plans and s in metrics]
-    t0, t1 = stamp(metrics.get(warmup, {})), stamp(metrics.get(last, {}))
-    if t0 is None or t1 is None or not steps or t1 <= t0:
-        raise ModeFailed(f"no timed steps after the warm-up in {layout.metrics_file('trainer')}")
+    first, steps = measured_steps(metrics, plans, warmup)
+    t0, t1 = stamp(metrics[first]), stamp(metrics[steps[-1]])
+    if t0 is None or t1 is None or t1 <= t0:
+        raise ModeFailed(f"no timestamps on the steps in {layout.metrics_file('trainer')}")
+    trained = [s for s in steps if plans[s].sample_ids]
     consumed = sum(len(plans[s].sample_ids) for s in steps)
     idle, idle_source = trainer_idle(metrics, steps, poller, t0, t1)
-    wait = idle * (t1 - t0)
-    hist = staleness(layout, plans, steps, metrics)
     workers = worker_figures(layout, poller, t0, t1)
-    busy = ((t1 - t0) - wait) / len(steps)
+    busy = (1 - idle) * (t1 - t0) / len(trained)
     batch_s = workers["worker_batch_s_mean"]
-    serial = None if batch_s is None else consumed / len(steps) / (busy + batch_s)
+    hist = staleness(layout, plans, trained, metrics)
     return {
         "measured_steps": [steps[0], steps[-1]],
+        "trained_steps": len(trained),
         "window_s": t1 - t0,
         "samples_consumed": consumed,
         "samples_per_s": consumed / (t1 - t0),
@@ -466,7 +475,9 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
         "trainer_idle_source": idle_source,
         "trainer_busy_s_per_step": busy,
         **workers,
-        "serial_estimate_samples_per_s": serial,
+        "serial_estimate_samples_per_s": None
+        if batch_s is None
+        else consumed / len(trained) / (busy + batch_s),
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
         "dropped_samples": sum(len(plans[s].dropped_ids) for s in steps),
         "dropped_samples_all_steps": sum(len(p.dropped_ids) for p in plans.values()),
@@ -576,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"e2e: {e}", file=sys.stderr)
         return 2
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="shardrl-e2e-", dir=args.dir))
     results: dict[str, dict[str, Any]] = {}
     try:
