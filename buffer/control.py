@@ -33,12 +33,24 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .fsio import HOST, create_json_exclusive, read_json, read_json_or_none, write_json_atomic
+from .fsio import (
+    HOST,
+    TRANSIENT_ERRNOS,
+    FileRefused,
+    create_json_exclusive,
+    read_capped_stat,
+    read_json,
+    read_json_or_none,
+    write_json_atomic,
+)
 from .layout import RunLayout
 
 ACTIONS = ("add", "remove", "set")
 HISTORY = 256
 COMMIT_ATTEMPTS = 8  # commits lost in a row before a poll gives up until the next one
+# A command is a few dozen bytes; anything far larger is refused unread (a stray redirect must not cost a core).
+CONTROL_MAX_BYTES = 64 * 1024
+FIELDS = ("action", "count")
 _GEN_RE = re.compile(r"^gen-(\d{8})\.json$")
 
 
@@ -58,6 +70,12 @@ def parse_command(
         ) from None
     if not isinstance(cmd, dict):
         raise ControlError(f'{source}: expected a JSON object like {{"action":"add","count":2}}')
+    unknown = sorted(set(cmd) - set(FIELDS))
+    if unknown:
+        # A field the command does not have is a typo or an option it lacks; applying the rest would surprise.
+        raise ControlError(
+            f"{source}: unknown field(s) {', '.join(map(repr, unknown))}; accepted: action, count"
+        )
     action, count = cmd.get("action"), cmd.get("count")
     if action not in ACTIONS:
         raise ControlError(f"{source}: field action: {action!r} is not one of add, remove, set")
@@ -177,14 +195,25 @@ class ControlWatcher:
         self.who = who
         self._handled: str | None = None
         self._unparsable_since: dict[str, float] = {}
+        self._failing_since: dict[int, tuple[int, float]] = {}
 
     def poll(self) -> ControlState:
         """Look at control.json once; apply or reject a new command; return the current state."""
+        path = self.layout.control_file
         try:
-            st = os.stat(self.layout.control_file)
-            raw = self.layout.control_file.read_bytes()
-        except OSError:
-            return read_state(self.layout)
+            # The stat of the very file read: a stale stat followed by a fresh one would give one echo two keys.
+            raw, st = read_capped_stat(path, CONTROL_MAX_BYTES)
+        except FileNotFoundError:
+            if not path.is_symlink():
+                return read_state(self.layout)  # no command: the usual case
+            raw, st = self._refusal(path, "a symbolic link whose target is missing")
+        except FileRefused as e:
+            raw, st = self._refusal(path, e.reason)
+        except OSError as e:
+            if e.errno in TRANSIENT_ERRNOS and not self._persistent(e.errno):
+                return read_state(self.layout)  # NFS hiccup: the next poll reads it
+            raw, st = self._refusal(path, f"unreadable ({e.strerror or e})")
+        self._failing_since.clear()
         key = command_key(raw, st)
         if key == self._handled:
             return read_state(self.layout)
@@ -206,12 +235,30 @@ class ControlWatcher:
         # still losing: a generation we cannot see yet (a cached directory listing); the next poll tries again
         return state
 
+    def _persistent(self, err: int) -> bool:
+        """A transient-looking error is judged persistent once seen on two polls in a row, settle_s apart."""
+        count, first = self._failing_since.get(err, (0, time.monotonic()))
+        self._failing_since[err] = (count + 1, first)
+        return count + 1 >= 2 and time.monotonic() - first >= self.settle_s
+
+    @staticmethod
+    def _refusal(path: Any, reason: str) -> tuple[bytes, os.stat_result]:
+        """A control.json that cannot be read as a command becomes a command that is rejected once, with its reason
+        (the lstat identifies it, so a changed one is judged again)."""
+        st = os.lstat(path)
+        return f"\0refused\0{path}: {reason}".encode(), st
+
     def _decide(self, raw: bytes, key: str, state: ControlState) -> ControlState | None:
         history = ([*state.history, key])[-HISTORY:]
         try:
+            if raw.startswith(b"\0refused\0"):
+                raise ControlError(
+                    raw.split(b"\0", 2)[2].decode(errors="replace") + "; expected a file holding "
+                    'e.g. {"action":"add","count":2}'
+                )
             cmd, desired = parse_command(raw, state.desired, self.max_workers, str(self.layout.control_file))
         except ControlError as e:
-            if self._looks_unfinished(raw, key):
+            if not raw.startswith(b"\0refused\0") and self._looks_unfinished(raw, key):
                 return None
             rejection = {"key": key, "reason": str(e), "at": time.time(), "by": self.who}
             return ControlState(state.generation + 1, state.desired, state.last_applied, rejection, history)
