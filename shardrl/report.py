@@ -132,6 +132,33 @@ def _trainer_timing_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
     return _save(plt, fig, layout, "trainer_wait_publish.png")
 
 
+STEP_PHASES = ("wait", "plan", "load", "compute", "publish", "checkpoint")
+
+
+def time_split(records: list[dict[str, Any]]) -> tuple[list[int], dict[str, list[float]]]:
+    """Steps whose record splits the step's wall time (``compute_s`` and the other ``<phase>_s``), and the seconds of
+    each phase per such step (0 where a record lacks one)."""
+    split = [m for m in records if "compute_s" in m]
+    return [m["step"] for m in split], {p: [float(m.get(f"{p}_s", 0.0)) for m in split] for p in STEP_PHASES}
+
+
+def _step_time_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    steps, seconds = time_split(data.trainer)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = [0.0] * len(steps)
+    width = 0.8 if len(steps) < 200 else 1.0
+    for phase in STEP_PHASES:
+        ax.bar(steps, seconds[phase], bottom=bottom, width=width, label=phase, linewidth=0)
+        bottom = [b + v for b, v in zip(bottom, seconds[phase], strict=True)]
+    ax.set(xlabel="trainer step", ylabel="seconds", title="Where each step's wall time went")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(ncols=len(STEP_PHASES), fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    ax.grid(alpha=0.3, axis="y")
+    return _save(plt, fig, layout, "trainer_step_time.png")
+
+
 def _save(plt: Any, fig: Any, layout: RunLayout, name: str) -> Path:
     layout.plots.mkdir(parents=True, exist_ok=True)
     path = layout.plots / name
@@ -170,6 +197,8 @@ def write_report(layout: RunLayout, data: RunMetrics | None = None) -> list[Path
         out.append(_rollout_plot(plt, layout, data))
     if data.trainer:
         out.append(_trainer_timing_plot(plt, layout, data))
+    if time_split(data.trainer)[0]:
+        out.append(_step_time_plot(plt, layout, data))
     return out
 
 

@@ -32,8 +32,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from buffer import heartbeats
 from buffer.metrics import Sinks, open_sinks
 from buffer.plans import FencedError, PlanLog
-from buffer.records import TrainerStatus
+from buffer.records import RecordError, RunFinished, TrainerStatus
 from buffer.run import Run
+from buffer.status import mark_finished, read_finished
+from buffer.weights import WeightsError
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
 from trainer.feed import Feeder, StepBatch, on_rank0
@@ -271,10 +273,8 @@ class Versions:
         version, merged = state.version + 1, self._merged(state.version + 1, final)
         try:
             self.publisher.start(models, version, state.step, merged)
-        except Exception as e:
-            if not isinstance(e, (OSError, RuntimeError)) or isinstance(e, FencedError):
-                raise
-            self._retry(Settled(version, 0.0, str(e)), models, state, merged)
+        except (OSError, WeightsError) as e:  # staging failed (on every rank: _fresh_staging broadcasts it)
+            self._retry(Settled(version, 0.0, str(e), merged), models, state)
         else:
             state.version = version
             state.merged_step = state.step if merged else state.merged_step
@@ -289,23 +289,23 @@ class Versions:
         if settled.error is None:
             return {"publish_write": settled.write_s}
         state.version = settled.version - 1  # never committed: its number is free again
-        self._retry(settled, models, state, self._merged(settled.version, False))
+        self._retry(settled, models, state)
         return {}
 
     def _merged(self, version: int, final: bool) -> bool:
         lora = self.run.config.model.lora
         return lora.enabled and (final or (lora.merge_every > 0 and version % lora.merge_every == 0))
 
-    def _retry(self, failed: Settled, models: Models, state: TrainState, merged: bool) -> None:
+    def _retry(self, failed: Settled, models: Models, state: TrainState) -> None:
         self.report.error(f"publishing v{failed.version} failed: {failed.error}")
 
         def waiting(what: str, error: str) -> None:
             self.report.last_error = error
             self.report.status("waiting", state, {}, waiting=what)
 
-        if self.publisher.retry(failed, models, state.step, merged, waiting, self.stop.agreed):
+        if self.publisher.retry(failed, models, state.step, waiting, self.stop.agreed):
             state.version = failed.version
-            state.merged_step = state.step if merged else state.merged_step
+            state.merged_step = state.step if failed.merged else state.merged_step
 
     def close(self) -> None:
         self.publisher.close()
@@ -418,13 +418,14 @@ def run_steps(loop: Loop) -> None:
     t, state = loop.run.config.trainer, loop.state
     pad_id = int(getattr(loop.models.actor.config, "pad_token_id", None) or 0)
     done = 0  # steps trained by this invocation (steps of drops only do not count)
-    while t.max_steps is None or done < t.max_steps:
+    # trainer.total_steps is the run's budget, over every incarnation; max_steps bounds this one
+    while (t.max_steps is None or done < t.max_steps) and state.step < t.total_steps:
         step = state.step + 1
         batch = feed(loop, step)
         if batch is None:
             break
         times = dict(batch.timings)
-        last = t.max_steps is not None and done + 1 == t.max_steps
+        last = (t.max_steps is not None and done + 1 == t.max_steps) or step == t.total_steps
         version = state.version
         m, times["compute"] = train_one(loop, step, batch, last, pad_id)
         done += int(bool(batch.samples))
@@ -454,10 +455,44 @@ def finish(loop: Loop, done: int) -> None:
         loop.saver.final(loop.models, state, loop.feeder.stop)
 
 
+def finished_before(run: Run) -> RunFinished | None:
+    """The run's finished record, read on rank 0; a damaged one stops every rank alike (OSError, one line)."""
+
+    def read() -> RunFinished | str | None:
+        try:
+            return read_finished(run.layout)
+        except RecordError as e:
+            return f"{e} (remove it only if the run is to go on)"
+
+    found = on_rank0(read)
+    if isinstance(found, str):
+        raise OSError(found)
+    return found
+
+
+def mark_done(loop: Loop) -> None:
+    """Once the budget is trained (and checkpointed), the finished record tells every process of the run."""
+    state, total = loop.state, loop.run.config.trainer.total_steps
+    if state.step < total or not tdist.is_main():
+        return
+    mark_finished(loop.run.layout, state.step, total, state.version, loop.report.epoch)
+    log.info("run finished: step %d of trainer.total_steps = %d", state.step, total)
+
+
 def train(run: Run) -> TrainState:
     """The whole trainer on this rank; raises FencedError / TimeoutError (on every rank alike) to stop early."""
     tdist.init()
     setup_logging(tdist.rank())
+    done = finished_before(run)
+    if done is not None:
+        if tdist.is_main():
+            print(
+                f"trainer: run already finished at step {done.step} (trainer.total_steps = {done.total_steps}); "
+                "nothing to do",
+                file=sys.stderr,
+                flush=True,
+            )
+        return TrainState(step=done.step, version=done.published_version)
     stop = StopFlag()
     plan_log, epoch = claim(run)
     models = build_models(run)
@@ -471,6 +506,7 @@ def train(run: Run) -> TrainState:
     loop = Loop(run, models, state, feeder, report, versions, Saver(run, state, report), plan_log)
     try:
         run_steps(loop)
+        mark_done(loop)
         report.status("stopped", state, feeder.counts())
     finally:
         feeder.close()

@@ -80,6 +80,7 @@ class Settled:
     version: int
     write_s: float
     error: str | None = None
+    merged: bool = False  # LoRA: merged full weights (a retry must publish the same kind)
 
 
 class Publisher:
@@ -90,7 +91,7 @@ class Publisher:
         # The thread's collectives need a group of their own: the main thread's run at the same time.
         self.group: Any = dist.new_group(backend="gloo") if tdist.world() > 1 else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
-        self.inflight: tuple[int, Future[float]] | None = None
+        self.inflight: tuple[int, bool, Future[float]] | None = None
         self.write_s = 0.0  # the write time of the last version settled
 
     def start(self, models: Models, version: int, step: int, merged: bool) -> None:
@@ -109,7 +110,7 @@ class Publisher:
             lora=lora,
             merged=merged,
         )
-        self.inflight = (version, self.pool.submit(self._write, staged))
+        self.inflight = (version, merged, self.pool.submit(self._write, staged))
 
     def _write(self, staged: StagedVersion) -> float:
         t0 = time.monotonic()
@@ -122,8 +123,9 @@ class Publisher:
     def _collect_garbage(self) -> None:
         layout = self.run.layout
         try:
+            r = self.run.config.run
             weights.garbage_collect(
-                layout, self.run.config.run.keep_weight_versions, heartbeats.versions_in_use(layout)
+                layout, r.keep_weight_versions, heartbeats.versions_in_use(layout), every=r.keep_weight_every
             )
         except (OSError, RecordError) as e:  # old versions stay a while longer: nothing is lost
             log.warning("weights garbage collection skipped: %s", e)
@@ -133,22 +135,23 @@ class Publisher:
         returned, the same on every rank (write_staged agrees on it before it returns)."""
         if self.inflight is None:
             return None
-        version, future = self.inflight
+        version, merged, future = self.inflight
         self.inflight = None
         try:
             self.write_s = future.result()
         except PublishError as e:
-            return Settled(version, 0.0, str(e))
-        return Settled(version, self.write_s)
+            return Settled(version, 0.0, str(e), merged)
+        return Settled(version, self.write_s, None, merged)
 
     def publish_now(self, models: Models, version: int, step: int, merged: bool) -> Settled:
         """Stage, write and commit ``version`` before returning (a retry, or a stage that failed)."""
         try:
             self.start(models, version, step, merged)
-        except PublishError as e:
-            return Settled(version, 0.0, str(e))
-        except weights.WeightsError as e:  # staging failed on every rank alike (_fresh_staging broadcasts it)
-            return Settled(version, 0.0, str(e))
+        except (
+            OSError,
+            weights.WeightsError,
+        ) as e:  # staging failed (a full disk: broadcast, so on every rank)
+            return Settled(version, 0.0, str(e), merged)
         settled = self.settle()
         assert settled is not None
         return settled
@@ -158,7 +161,6 @@ class Publisher:
         failed: Settled,
         models: Models,
         step: int,
-        merged: bool,
         waiting: Callable[[str, str], None],
         stop: Callable[[], bool],
     ) -> bool:
@@ -172,7 +174,7 @@ class Publisher:
                 if stop():
                     return False
                 time.sleep(SLEEP_SLICE_S)
-            settled = self.publish_now(models, failed.version, step, merged)
+            settled = self.publish_now(models, failed.version, step, failed.merged)
             if settled.error is None:
                 log.info("published v%d after %d retries", failed.version, attempt)
                 return True

@@ -41,8 +41,9 @@ def main() -> None:
     plan_log, epoch = loop.claim(run)
     models = loop.build_models(run)
     state = loop.resume(run, models, epoch)
-    feeder = loop.Feeder(run, state, plan_log, loop.StopFlag())
-    batch, _ = feeder.next(1, state.version, loop.Reporter(run, epoch, state))
+    feeder = loop.Feeder(run, state.step, plan_log, loop.StopFlag())
+    batch = feeder.next(1, state.version, waiting=lambda what: None, idle=lambda: None)
+    feeder.close()
     assert batch is not None
     dumped: dict[str, torch.Tensor] = {}
 

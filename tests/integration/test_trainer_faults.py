@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,21 @@ from buffer.layout import RunLayout
 from buffer.run import open_run
 from buffer.shards import ShardName, ShardWriter
 from buffer.status import backlog
-from buffer.weights import latest_version, verify_version, write_latest
+from buffer.weights import commit_version, latest_version, staging_dir, verify_version, write_latest
 from trainer.checkpoint import latest_complete_checkpoint
 from trainer.data import Planner
 
-from ._trainer_helpers import command, kill_tree, make_run, metrics, run_ok, start, tail, trainer_args, wait_for
+from ._trainer_helpers import (
+    command,
+    kill_tree,
+    make_run,
+    metrics,
+    run_ok,
+    start,
+    tail,
+    trainer_args,
+    wait_for,
+)
 from .faultfs import FaultFS, fuse_unavailable, mounted
 
 GROUP = 8
@@ -71,17 +80,32 @@ def _status(layout: RunLayout) -> dict[str, Any]:
     return read_trainer(layout) or {}
 
 
+def _ids(layout: RunLayout) -> list[str]:
+    return [i for sh in shards.list_ready(layout) for i in shards.sample_ids(layout, sh.name)]
+
+
+def _commit_placeholder(layout: RunLayout, version: int) -> None:
+    """A committed weight version (a placeholder file): the trainer's weights count as this version."""
+    staging = staging_dir(layout, version)
+    (staging / "model.safetensors").write_bytes(b"\0" * 16)
+    commit_version(layout, version, staging, step=0, dtype="float32")
+
+
 def _no_traceback(log: Path) -> None:
     assert "Traceback" not in log.read_text(), tail(log)
 
 
-def test_a_duplicated_shard_is_quarantined_and_nothing_is_trained_twice(tmp_path: Path, tiny_model_tied: Path) -> None:
+def test_a_duplicated_shard_is_quarantined_and_nothing_is_trained_twice(
+    tmp_path: Path, tiny_model_tied: Path
+) -> None:
     layout = _run(tmp_path / "run", tiny_model_tied)
     names = [_shard(layout, f"w{i}") for i in range(3)]
     s = ShardName.parse(names[1])
     assert s is not None
     copy = ShardName(s.worker_id, s.incarnation, s.seq + 7, s.rows, s.crc).name
-    shutil.copyfile(layout.ready_shard(names[1]), layout.ready_shard(copy))  # the same samples, a second valid name
+    shutil.copyfile(
+        layout.ready_shard(names[1]), layout.ready_shard(copy)
+    )  # the same samples, a second valid name
     run_ok(command(1, *trainer_args(layout, "--max-steps", 3)), tmp_path / "t.log")
     ids = _planned(layout)
     assert len(ids) == len(set(ids)) == 3 * STEP
@@ -92,7 +116,9 @@ def test_a_duplicated_shard_is_quarantined_and_nothing_is_trained_twice(tmp_path
     assert _status(layout)["quarantined"] == 1
 
 
-def test_stale_samples_are_dropped_while_waiting_and_the_backlog_falls(tmp_path: Path, tiny_model_tied: Path) -> None:
+def test_stale_samples_are_dropped_while_waiting_and_the_backlog_falls(
+    tmp_path: Path, tiny_model_tied: Path
+) -> None:
     bound = STEP  # rollout.max_backlog_samples: a worker pauses while the backlog is above it
     layout = _run(
         tmp_path / "run",
@@ -110,9 +136,15 @@ def test_stale_samples_are_dropped_while_waiting_and_the_backlog_falls(tmp_path:
     log = tmp_path / "t.log"
     proc = start(command(1, *trainer_args(layout, "--max-steps", 1)), log)
     try:
-        wait_for(lambda: backlog(layout).dropped_samples == 3 * STEP, 120, f"the stale samples dropped\n{tail(log)}")
+        wait_for(
+            lambda: backlog(layout).dropped_samples == 3 * STEP,
+            120,
+            f"the stale samples dropped\n{tail(log)}",
+        )
         assert backlog(layout).unconsumed_samples == 0 <= bound  # workers resume
-        wait_for(lambda: "of 16 samples" in (_status(layout).get("waiting") or ""), 60, "the wait in the status")
+        wait_for(
+            lambda: "of 16 samples" in (_status(layout).get("waiting") or ""), 60, "the wait in the status"
+        )
         assert "48 stale dropped" in _status(layout)["waiting"]
         fresh = _shard(layout, "new", version=3)
         assert proc.wait(timeout=120) == 0, tail(log)
@@ -120,13 +152,19 @@ def test_stale_samples_are_dropped_while_waiting_and_the_backlog_falls(tmp_path:
         kill_tree(proc)
     valid = plans.valid_plans(layout)
     assert valid[1].sample_ids == [] and set(valid[1].dropped_ids) == stale
-    assert set(valid[2].sample_ids) == set(shards.sample_ids(layout, fresh)) and not stale & set(valid[2].sample_ids)
+    assert set(valid[2].sample_ids) == set(shards.sample_ids(layout, fresh)) and not stale & set(
+        valid[2].sample_ids
+    )
     recs = metrics(layout)
     assert [(r["step"], r["samples"], r["dropped_stale"]) for r in recs] == [(1, 0, 3 * STEP), (2, STEP, 0)]
-    assert latest_version(layout) == 4  # one version for the one trained step; the drop-only step publishes none
+    assert (
+        latest_version(layout) == 4
+    )  # one version for the one trained step; the drop-only step publishes none
 
 
-def test_replay_goes_on_after_a_planned_shard_is_damaged_or_deleted(tmp_path: Path, tiny_model_tied: Path) -> None:
+def test_replay_goes_on_after_a_planned_shard_is_damaged_or_deleted(
+    tmp_path: Path, tiny_model_tied: Path
+) -> None:
     layout = _run(tmp_path / "run", tiny_model_tied, trainer__samples_per_step=3 * STEP)
     names = [_shard(layout, f"w{i}") for i in range(3)]
     # An incarnation that planned step 1 and died before training it.
@@ -171,18 +209,6 @@ def test_latest_pointing_at_nothing_is_not_adopted_and_steps_are_planned_ahead(
     assert "v000099" in _status(layout)["last_error"]
 
 
-def _ids(layout: RunLayout) -> list[str]:
-    return [i for sh in shards.list_ready(layout) for i in shards.sample_ids(layout, sh.name)]
-
-
-def _commit_placeholder(layout: RunLayout, version: int) -> None:
-    from buffer.weights import commit_version, staging_dir
-
-    staging = staging_dir(layout, version)
-    (staging / "model.safetensors").write_bytes(b"\0" * 16)
-    commit_version(layout, version, staging, step=0, dtype="float32")
-
-
 # ------------------------------------------------------------------------------------------------- a full disk
 
 needs_fuse = pytest.mark.skipif(fuse_unavailable() is not None, reason=f"FUSE: {fuse_unavailable()}")
@@ -192,10 +218,6 @@ needs_fuse = pytest.mark.skipif(fuse_unavailable() is not None, reason=f"FUSE: {
 def ffs(tmp_path: Path) -> Iterator[FaultFS]:
     with mounted(tmp_path / "faultfs") as fs:
         yield fs
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    kill_tree(proc)
 
 
 @needs_fuse
@@ -224,7 +246,7 @@ def test_enospc_while_publishing_is_reported_cleaned_and_retried(
         ffs.clear()  # space is back
         assert proc.wait(timeout=180) == 0, tail(log)
     finally:
-        _stop(proc)
+        kill_tree(proc)
     _no_traceback(log)
     assert latest_version(layout) == 2 and verify_version(layout, 2).step == 2
     assert verify_version(layout, 1).step == 2  # v1, published again after the retry, holds the newer weights
@@ -244,13 +266,17 @@ def test_enospc_while_checkpointing_keeps_training_and_saves_once_space_is_back(
         wait_for(lambda: len(metrics(layout)) == 2, 180, f"two steps trained\n{tail(log)}")
         wait_for(lambda: _status(layout).get("waiting") is not None, 60, "the wait for step 3")
         status = _status(layout)
-        assert "checkpoint of step 2 failed" in status["last_error"] and "No space left" in status["last_error"]
+        assert (
+            "checkpoint of step 2 failed" in status["last_error"] and "No space left" in status["last_error"]
+        )
         assert latest_complete_checkpoint(layout) is None
-        assert not [p for p in layout.checkpoints.iterdir() if p.name.startswith("step-")]  # no partial save left
+        assert not [
+            p for p in layout.checkpoints.iterdir() if p.name.startswith("step-")
+        ]  # no partial save left
         ffs.clear()
         _shard(layout, "w2")
         assert proc.wait(timeout=180) == 0, tail(log)
     finally:
-        _stop(proc)
+        kill_tree(proc)
     _no_traceback(log)
     assert latest_complete_checkpoint(layout) == 3 and latest_version(layout) == 3

@@ -51,3 +51,25 @@ def test_staleness_histogram_has_one_bin_per_integer() -> None:
     counts, _ = np.histogram(stale, bins=bins)
     assert counts.tolist() == [2, 0, 1, 3]
     assert report.staleness_bins([]) == [-0.5, 0.5]
+
+
+def test_the_step_time_split_is_drawn_from_records_that_have_it(tmp_path: Path) -> None:
+    layout = make_layout(tmp_path)
+    metrics.append(
+        layout.metrics_file("trainer"), {"step": 1, "reward_mean": 0.1}
+    )  # an older trainer's record
+    for s in (2, 3):
+        metrics.append(
+            layout.metrics_file("trainer"),
+            {"step": s, "wait_s": 0.5, "load_s": 0.1, "compute_s": 2.0, "publish_s": 0.25 * s},
+        )
+    steps, seconds = report.time_split(metrics.read_all(layout.metrics_file("trainer")))
+    assert steps == [2, 3]
+    assert (
+        seconds["compute"] == [2.0, 2.0]
+        and seconds["publish"] == [0.5, 0.75]
+        and seconds["plan"] == [0.0, 0.0]
+    )
+    pytest.importorskip("matplotlib")
+    written = {p.name for p in report.write_report(layout)}
+    assert "trainer_step_time.png" in written
