@@ -58,7 +58,13 @@ class RunConfig(_Section):
         description="An unparsable control.json is 'still being written' for this long, then rejected.",
     )
     keep_weight_versions: int = Field(
-        3, ge=1, description="Published weight versions kept by garbage collection."
+        3, ge=1, description="Published weight versions kept by garbage collection: the newest K."
+    )
+    keep_weight_every: int = Field(
+        0,
+        ge=0,
+        description="Also keep every version whose number is a multiple of N (milestones for evaluation), "
+        "besides the newest run.keep_weight_versions; 0 = none.",
     )
 
 

@@ -4,6 +4,7 @@ Nobody formats a run-directory path by hand anywhere else.  The layout (also doc
 
     RUN/
       run.json                 run id, schema version, creation time
+      finished.json            written once by the trainer when trainer.total_steps are trained: the run is over
       config.json              the resolved run config (single source of truth for every process)
       control.json             written by people (`echo '{"action":"add","count":2}' > RUN/control.json`)
       control/gen-XXXXXXXX.json  durable desired-worker state, one generation per applied/rejected command
@@ -46,6 +47,10 @@ class RunLayout:
     @property
     def config_json(self) -> Path:
         return self.root / "config.json"
+
+    @property
+    def finished(self) -> Path:
+        return self.root / "finished.json"
 
     @property
     def base_model(self) -> Path:

@@ -227,6 +227,21 @@ class TrainerStatus(StatusRecord):
     unconsumed_samples: int = 0
 
 
+class RunFinished(Record):
+    """``finished.json``: written once, by the trainer that trained step ``trainer.total_steps``; the run is over.
+
+    A trainer started on a finished run exits at once; node supervisors drain their workers and exit."""
+
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=1)
+    total_steps: int = Field(ge=1)
+    published_version: int = Field(ge=0)
+    epoch: int | None
+    host: str
+    pid: int
+    at: float
+
+
 LIVE_STATES = (
     frozenset(get_args(WorkerState) + get_args(SupervisorState) + get_args(TrainerState)) - FINAL_STATES
 )

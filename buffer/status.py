@@ -8,14 +8,17 @@ under ``problems`` instead of stopping the view.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from . import heartbeats, plans, shards, weights
 from .control import all_leases, read_state
+from .fsio import HOST
 from .layout import RunLayout
-from .records import RecordError, TrainerStatus, WorkerStatus
+from .records import RecordError, RunFinished, TrainerStatus, WorkerStatus, create_record, read_record
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,30 @@ class BacklogCounter:
 def backlog(layout: RunLayout) -> Backlog:
     """The backlog of ``layout`` now (reads every plan; a poller keeps a ``BacklogCounter`` instead)."""
     return BacklogCounter(layout).read()
+
+
+def read_finished(layout: RunLayout) -> RunFinished | None:
+    """The run's finished record; None while the run goes on; RecordError when the file is not a valid record."""
+    try:
+        return read_record(RunFinished, layout.finished, attempts=2)
+    except FileNotFoundError:
+        return None
+
+
+def mark_finished(
+    layout: RunLayout, step: int, total_steps: int, published_version: int, epoch: int | None
+) -> bool:
+    """Record that the run trained its whole budget; written once (the first writer wins), True when this call did."""
+    record = RunFinished(
+        step=step,
+        total_steps=total_steps,
+        published_version=published_version,
+        epoch=epoch,
+        host=HOST,
+        pid=os.getpid(),
+        at=time.time(),
+    )
+    return create_record(layout.finished, record)
 
 
 def snapshot(layout: RunLayout) -> dict[str, Any]:

@@ -197,14 +197,23 @@ def published_versions(layout: RunLayout) -> list[int]:
     return sorted(out)
 
 
-def garbage_collect(layout: RunLayout, keep: int, in_use: Iterable[int]) -> list[int]:
-    """Delete all but the newest ``keep`` versions, never LATEST nor one a live worker reports as loaded.
+def retained(versions: list[int], keep: int, every: int = 0) -> set[int]:
+    """The versions retention keeps of ``versions`` (sorted): the newest ``keep``, and with ``every`` > 0 each
+    multiple of ``every`` (milestones: a version's number, not its position, so a gap never shifts them)."""
+    newest = set(versions[-keep:]) if keep > 0 else set(versions)
+    return newest | ({v for v in versions if v % every == 0} if every > 0 else set())
+
+
+def garbage_collect(layout: RunLayout, keep: int, in_use: Iterable[int], every: int = 0) -> list[int]:
+    """Delete the versions ``retained`` does not keep (the newest ``keep``, multiples of ``every``), never LATEST
+    nor one a live worker reports as loaded.
 
     Deleting a directory another node still reads gives it ESTALE/SIGBUS, hence ``in_use`` (from status records).
     """
     protected = set(in_use) | {latest_version(layout)}
     versions = published_versions(layout)
-    doomed = [v for v in versions[:-keep] if v not in protected] if keep > 0 else []
+    kept = retained(versions, keep, every) | protected
+    doomed = [v for v in versions if v not in kept]
     for v in doomed:
         shutil.rmtree(layout.weight_version(v), ignore_errors=True)
     return doomed

@@ -19,7 +19,9 @@ Each tick it
     failed in its status record and give its slot back for another node.  This node then leaves that slot alone for
     ``restart_window_s``.
 SIGTERM/SIGINT (Slurm time limit, preemption, Ctrl-C) drains every worker within ``rollout.drain_deadline_s`` and
-exits 0; a second signal kills the workers at once.
+exits 0; a second signal kills the workers at once.  The run's finished record (the trainer trained
+``trainer.total_steps``), seen at a control poll, drains the workers the same way and exits 0: no more samples are
+wanted.
 
 Storage trouble never ends the supervisor: a write that fails (a full disk writing a worker's log header or the
 status record, a flaky mount) is logged, kept in the status record's ``last_error`` (written once writing works
@@ -50,7 +52,9 @@ from buffer.fsio import HOST, read_json_or_none
 from buffer.heartbeats import StatusWriter, supervisor_status, worker_status
 from buffer.layout import RunLayout
 from buffer.procs import signal_group, start_group, stop_groups
+from buffer.records import RecordError
 from buffer.run import Run
+from buffer.status import read_finished
 from rollout_worker.engines import resolve_kind
 from rollout_worker.lifecycle import EXIT_LEASE, EXIT_USER
 from rollout_worker.worker import worker_id_for
@@ -516,7 +520,7 @@ class Supervisor:
             while True:
                 now = time.monotonic()
                 if self._signals and not self.stopping:
-                    self._begin_shutdown()
+                    self._begin_shutdown("signal received")
                 elif self._signals > 1 and self.deadline > now:
                     log.warning("supervisor %s: second signal: killing workers now", self.id)
                     self.deadline = now
@@ -526,6 +530,8 @@ class Supervisor:
                     self._renew()
                     self._write_status("draining" if self.stopping else "running")
                     next_beat = now + beat_s
+                if not self.stopping and now >= next_control and self._run_finished():
+                    self._begin_shutdown("the run is finished")
                 if not self.stopping and now >= next_control:
                     self._poll_control()
                     self._scale_down()
@@ -545,15 +551,25 @@ class Supervisor:
         log.info("supervisor %s: stopped", self.id)
         return 0
 
-    def _begin_shutdown(self) -> None:
+    def _run_finished(self) -> bool:
+        """True once the trainer recorded the run finished; a damaged record is reported and read as not finished
+        (stopping every worker of the run on a misread would be worse than waiting for a repair)."""
+        try:
+            return read_finished(self.layout) is not None
+        except (RecordError, OSError) as e:
+            self._trouble("reading the finished record failed", OSError(str(e)))
+            return False
+
+    def _begin_shutdown(self, why: str) -> None:
         """Drain everything: SIGTERM now, SIGKILL a little before the deadline so that cleanup still fits in it."""
         self.stopping = True
         budget = self.cfg.rollout.drain_deadline_s
         self.deadline = time.monotonic() + budget
         kill_at = self.deadline - min(2.0, 0.25 * budget)
         log.info(
-            "supervisor %s: signal received: draining %d worker(s) within %gs",
+            "supervisor %s: %s: draining %d worker(s) within %gs",
             self.id,
+            why,
             len(self.slots),
             budget,
         )
