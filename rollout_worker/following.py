@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from buffer.heartbeats import load_trainer
 from buffer.layout import RunLayout
+from buffer.records import RecordError
 from buffer.weights import WeightsError, latest_version, published_versions, verify_version
 from rollout_worker.engines.base import Engine, EngineError
 
@@ -39,6 +41,7 @@ class WeightFollower:
         poll_s: float,
         max_staleness: int,
         report: Callable[..., None],
+        publish_every: int = 1,
         on_error: Callable[[str], None],
     ):
         self.layout = layout
@@ -46,6 +49,7 @@ class WeightFollower:
         self.name = name
         self.poll_s = poll_s
         self.max_staleness = max_staleness
+        self.publish_every = publish_every
         self.report = report
         self.on_error = on_error
         self.version = 0  # what the engine serves (0: the base model)
@@ -54,7 +58,22 @@ class WeightFollower:
         self._last_poll = -math.inf
 
     def too_stale(self) -> bool:
-        return self.latest - self.version > self.max_staleness
+        return self.latest + self._publish_in_flight() - self.version > self.max_staleness
+
+    def _publish_in_flight(self) -> int:
+        """1 while the trainer computes a step that will publish the next version, else 0.
+
+        A batch started now is consumed after that step at the earliest, so it is judged against the version that
+        step publishes: with ``max_staleness = 0`` a worker waits for the new weights instead of generating samples
+        the trainer would drop (the synchronous mode), and with 1 it may start on the current ones.
+        """
+        if self.publish_every != 1:
+            return 0  # the step in flight may not publish; judging by LATEST alone stays safe
+        try:
+            rec = load_trainer(self.layout)
+        except (RecordError, OSError):
+            return 0
+        return 1 if rec is not None and rec.state == "training" else 0
 
     def catch_up(self) -> bool:
         """Poll (rate-limited); True when a batch may start, False while too stale even after a forced poll."""

@@ -247,6 +247,7 @@ class RolloutWorker:
             name=self.worker_id,
             poll_s=cfg.rollout.weights_poll_s,
             max_staleness=cfg.rollout.max_staleness,
+            publish_every=cfg.trainer.publish_every,
             report=self._weights_report,
             on_error=self._error,
         )

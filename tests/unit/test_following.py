@@ -1,0 +1,72 @@
+"""The worker's staleness admission counts the version a training step is about to publish.
+
+With ``max_staleness = 0`` (the synchronous mode) a worker must not start a batch while the trainer computes a step
+that will publish a newer version: the trainer would drop every sample of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from buffer import heartbeats
+from buffer.layout import RunLayout
+from rollout_worker.following import WeightFollower
+
+
+def _follower(layout: RunLayout, max_staleness: int, publish_every: int = 1) -> WeightFollower:
+    f = WeightFollower(
+        layout,
+        engine=None,  # type: ignore[arg-type]  # admission never touches the engine
+        name="w0",
+        poll_s=1.0,
+        max_staleness=max_staleness,
+        report=lambda **_: None,
+        on_error=lambda _: None,
+        publish_every=publish_every,
+    )
+    f.version = f.latest = 3
+    return f
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> RunLayout:
+    layout = RunLayout.of(tmp_path / "run")
+    layout.create()
+    return layout
+
+
+def _trainer(layout: RunLayout, **fields: Any) -> None:
+    heartbeats.trainer_status(layout).update(**fields)
+
+
+def test_sync_worker_waits_while_a_step_computes(layout: RunLayout) -> None:
+    f = _follower(layout, max_staleness=0)
+    assert not f.too_stale()  # no trainer yet
+    _trainer(layout, state="waiting", step=3)
+    assert not f.too_stale()  # the trainer waits for exactly this batch
+    _trainer(layout, state="training", step=3)
+    assert f.too_stale()  # the step in flight publishes v4: a batch on v3 would be dropped
+
+
+def test_staleness_one_may_generate_during_a_step(layout: RunLayout) -> None:
+    f = _follower(layout, max_staleness=1)
+    _trainer(layout, state="training", step=3)
+    assert not f.too_stale()
+    f.version = 2
+    assert f.too_stale()
+
+
+def test_a_step_that_may_not_publish_is_not_counted(layout: RunLayout) -> None:
+    f = _follower(layout, max_staleness=0, publish_every=4)
+    _trainer(layout, state="training", step=3)
+    assert not f.too_stale()
+
+
+def test_an_unreadable_trainer_record_counts_as_no_step_in_flight(layout: RunLayout) -> None:
+    f = _follower(layout, max_staleness=0)
+    layout.trainer_status.parent.mkdir(parents=True, exist_ok=True)
+    layout.trainer_status.write_text("{garbage")
+    assert not f.too_stale()
