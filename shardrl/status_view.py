@@ -1,49 +1,142 @@
-"""`shardrl status`: the human view of a run snapshot (``buffer.status.snapshot``); records that cannot be read are
-listed as problems at the end."""
+"""`shardrl status`: the human view of a run snapshot (``buffer.status.snapshot``).
+
+It explains what it shows: whether the run is finished, a control command no supervisor has applied yet, what the
+trainer waits for (and a warning when its status stopped moving), each supervisor's capacity and heartbeat, and why
+each paused worker is paused.  Records that cannot be read are listed as problems at the end.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from buffer.status import version_name
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
-def render(snap: dict[str, Any]) -> None:
+def render(snap: dict[str, Any], console: Console | None = None) -> None:
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    con = Console()
-    sh, tr, ctl = snap["shards"], snap["trainer"], snap["control"]
-    con.print(f"[bold]run[/bold] {snap['run']}")
-    con.print(
-        f"desired workers {snap['desired_workers']} (generation {ctl['generation']})   "
-        f"latest weights v{_n(snap['latest_weights_version'])}   trainer step {tr['step']} ({tr['state']})"
-    )
+    con = console or Console()
+    con.print(f"[bold]run[/bold] {escape(snap['run'])}", highlight=False)
+    _finished(con, snap)
+    _control(con, snap)
+    _trainer(con, snap)
+    sh = snap["shards"]
     con.print(
         f"shards ready {sh['ready']} ({sh['ready_samples']} samples)   consumed {_n(sh['consumed_samples'])} "
         f"(dropped as stale {_n(sh['dropped_samples'])})   unconsumed {_n(sh['unconsumed_samples'])}   "
-        f"quarantined {sh['quarantined']}"
+        f"quarantined {sh['quarantined']}",
+        highlight=False,
     )
-    if ctl["last_applied"]:
+    _supervisors(con, snap["supervisors"])
+    _workers(con, snap["workers"])
+    for problem in snap["problems"]:
+        con.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
+
+
+def _finished(con: Console, snap: dict[str, Any]) -> None:
+    done = snap.get("finished")
+    if done:
         con.print(
-            f"last command applied: {ctl['last_applied']['command']} -> {ctl['last_applied']['desired']}"
+            f"[bold green]finished[/bold green]: trained step {done['step']} of trainer.total_steps "
+            f"{done['total_steps']} (weights {version_name(done['published_version'])}); "
+            "trainers and supervisors started on this run exit at once",
+            highlight=False,
         )
+
+
+def _control(con: Console, snap: dict[str, Any]) -> None:
+    from rich.markup import escape
+
+    ctl = snap["control"]
+    con.print(
+        f"desired workers {snap['desired_workers']} (control generation {ctl['generation']})   "
+        f"latest weights {version_name(snap['latest_weights_version'])}",
+        highlight=False,
+    )
+    if ctl.get("pending"):
+        p = ctl["pending"]
+        con.print(
+            f"[yellow]pending command:[/yellow] control.json holds {escape(p['text'])}, written {p['age_s']:.0f}s "
+            "ago, not applied by any supervisor yet",
+            highlight=False,
+        )
+    if ctl["last_applied"]:
+        applied = ctl["last_applied"]
+        con.print(f"last command applied: {applied['command']} -> {applied['desired']}", highlight=False)
     if ctl["last_rejection"]:
-        con.print(f"[red]last command rejected:[/red] {ctl['last_rejection']['reason']}")
-    table = Table("worker", "state", "weights", "heartbeat age", "samples", "tok/s", "last error")
-    for w in snap["workers"]:
-        age = w["heartbeat_age_s"]
+        con.print(
+            f"[red]last command rejected:[/red] {escape(ctl['last_rejection']['reason'])}", highlight=False
+        )
+
+
+def _trainer(con: Console, snap: dict[str, Any]) -> None:
+    from rich.markup import escape
+
+    tr = snap["trainer"]
+    budget = "" if tr.get("total_steps") is None else f" of {tr['total_steps']}"
+    age = tr["heartbeat_age_s"]
+    beat = "" if age is None else f", status written {age:.1f}s ago"
+    con.print(
+        f"trainer step {tr['step']}{budget} ({tr['state']}{beat}), "
+        f"published weights {version_name(tr['published_version'])}",
+        highlight=False,
+    )
+    if tr.get("heartbeat_stale"):
+        con.print(
+            f"[red]warning:[/red] the trainer's status has not changed for {age:.0f}s (more than "
+            f"{tr['stale_after_s']:.0f}s): a very long step, or the trainer is gone",
+            highlight=False,
+        )
+    if tr.get("state") == "waiting" and tr.get("waiting"):
+        con.print(f"trainer waits for: {escape(tr['waiting'])}", highlight=False)
+    if tr.get("last_error"):
+        con.print(f"[red]trainer error (kept going):[/red] {escape(tr['last_error'])}", highlight=False)
+
+
+def _supervisors(con: Console, supervisors: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    if not supervisors:
+        return
+    table = Table("supervisor", "host", "state", "workers / capacity", "slots", "heartbeat age", "last error")
+    for s in supervisors:
+        table.add_row(
+            str(s["id"]),
+            str(s["host"]),
+            str(s["state"]),
+            f"{s.get('workers', len(s['slots']))} / {s['capacity']}",
+            ",".join(map(str, s["slots"])) or "-",
+            _age(s["heartbeat_age_s"]),
+            (s.get("last_error") or "")[:60],
+        )
+    con.print(table)
+
+
+def _workers(con: Console, workers: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(
+        "worker", "state", "weights", "heartbeat age", "samples", "tok/s", "why paused / last error"
+    )
+    for w in workers:
         table.add_row(
             str(w["id"]),
             str(w["state"]),
-            f"v{w['weights_version']}",
-            "-" if age is None else f"{age:.1f}s",
+            version_name(w["weights_version"]),
+            _age(w["heartbeat_age_s"]),
             str(w["samples"]),
             "-" if w["tokens_per_s"] is None else f"{w['tokens_per_s']:.0f}",
-            (w["last_error"] or "")[:60],
+            (w.get("paused_why") or w["last_error"] or "")[:90],
         )
     con.print(table)
-    for problem in snap["problems"]:
-        con.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
 
 
 def _n(count: int | None) -> str:
