@@ -120,7 +120,7 @@ def _model_scores(
     """group index -> the reward model's scores of its responses (one call for the whole batch)."""
     if scorer is None or not kept:
         return {}
-    pairs = [(prompts[i].prompt.text, c.response_text) for i in kept for c in outputs[i]]
+    pairs = [(prompts[i].text or prompts[i].prompt.text, c.response_text) for i in kept for c in outputs[i]]
     flat = scorer([p for p, _ in pairs], [r for _, r in pairs])
     out, k = {}, 0
     for i in kept:
@@ -151,7 +151,7 @@ def _row(
         "reward": reward,
         "policy_version": version,
         "finish_reason": c.finish_reason,
-        "prompt_text": p.prompt.text,
+        "prompt_text": p.text or p.prompt.text,  # what the model saw (chat template applied)
         "response_text": c.response_text,
         "answer": p.prompt.answer,
         "extra": json.dumps(extra),

@@ -136,6 +136,7 @@ class RolloutWorker:
         self.engine: Any = None
         self.weights: WeightFollower | None = None
         self.batches = 0
+        self.sink = metrics.wandb_sinks(run, f"rollout-{worker_id}")  # JSONL is written by _metrics itself
         self.counters = {
             "samples": 0,
             "tokens": 0,
@@ -164,6 +165,8 @@ class RolloutWorker:
             return self._crashed(e)
         finally:
             self.life.phase = "closing"
+            with contextlib.suppress(Exception):
+                self.sink.close()
             if self.engine is not None:
                 with contextlib.suppress(Exception):
                     self.engine.close()
@@ -262,7 +265,7 @@ class RolloutWorker:
         resume = self.previous if self.previous.get("prompt_source") == self._source_key(prompts) else {}
         return PromptStream(
             prompts,
-            make_encoder(tokenizer, cfg.data.chat_template),
+            make_encoder(tokenizer, cfg.data.chat_template, cfg.data),
             seed=cfg.run.seed,
             slot=self.slot,
             max_tokens=limit,
@@ -423,6 +426,7 @@ class RolloutWorker:
         }
         with self.life.io_lock:
             metrics.append(self.layout.metrics_file(f"rollout-{self.worker_id}"), rec)
+        self.sink.log(rec, self.batches)
 
 
 def _previous_record(run: Run, worker_id: str) -> dict[str, Any]:
