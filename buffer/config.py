@@ -440,7 +440,12 @@ class TrainerConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
     schedule: Literal["constant", "cosine"] = Field("constant", description="LR schedule after warmup.")
-    total_steps: int = Field(1000, ge=1, description="Horizon of the cosine schedule.")
+    total_steps: int = Field(
+        1000,
+        ge=1,
+        description="The run's budget over every trainer incarnation: the trainer that trains this step writes "
+        "RUN/finished.json and the run ends.  Also the horizon of the cosine schedule.",
+    )
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     samples_per_step: int = Field(256, ge=1, description="Samples consumed per training step (whole groups).")
     updates_per_step: int = Field(
