@@ -177,7 +177,6 @@ def common_overrides(args: argparse.Namespace) -> dict[str, str]:
         "trainer.poll_interval_s": str(args.poll_s),
         "trainer.publish_every": "1",
         "trainer.save_every": "1000000",  # one checkpoint, after the last step: outside the measurement
-        "trainer.eval_every": "0",
         "trainer.tensorboard": "false",
     }
     if args.model is not None:

@@ -57,6 +57,12 @@ class RunConfig(_Section):
         ge=0,
         description="An unparsable control.json is 'still being written' for this long, then rejected.",
     )
+    wandb: bool = Field(
+        False,
+        description="Also log metrics to Weights & Biases (the `wandb` extra): one W&B run per process, grouped "
+        "by the run id; WANDB_MODE=offline works without network.  Off, with one log line, when wandb is absent.",
+    )
+    wandb_project: str = Field("shardrl", description="The W&B project of run.wandb.")
     keep_weight_versions: int = Field(
         3, ge=1, description="Published weight versions kept by garbage collection: the newest K."
     )
@@ -486,8 +492,29 @@ class TrainerConfig(_Section):
         default_factory=AdapterConfig,
         description="LoRA on the critic's base (rank 0 = the whole critic trains).",
     )
-    eval_every: int = Field(0, ge=0, description="Greedy eval of the demo task every N steps (0 = off).")
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
+
+
+class EvalConfig(_Section):
+    """The evaluator (`python -m rollout_worker --eval`): greedy scores of published weight versions."""
+
+    every: int = Field(5, ge=1, description="Score every Nth published weight version (v0, the base, first).")
+    base: bool = Field(True, description="Also score version 0, the base model, before any training.")
+    prompts_file: str | None = Field(
+        None,
+        description="Held-out prompts, in the formats and fields of data.prompts_file; default the prompts of "
+        "data.task (data.prompts_file itself with data.task = 'file').",
+    )
+    max_prompts: int | None = Field(None, ge=1, description="Score only the first N prompts.")
+    max_response_length: int | None = Field(
+        None, ge=1, description="Tokens per greedy response; default rollout.sampling.max_response_length."
+    )
+    full_score: float | None = Field(
+        None,
+        description="Reward that counts as correct for eval accuracy; default 1.0 for the registered rewards, "
+        "none for a user function (then only the reward mean is recorded).",
+    )
+    poll_s: float = Field(2.0, gt=0, description="How often the evaluator looks for a new version.")
 
 
 class ShardRLConfig(_Section):
@@ -500,6 +527,7 @@ class ShardRLConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: Algorithm = Field(default_factory=GrpoConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ShardRLConfig:
@@ -625,6 +653,7 @@ PER_PROCESS_FIELDS = frozenset(
         "trainer.step_wait_timeout_s",
         "trainer.poll_interval_s",
         "trainer.tensorboard",
+        *(f"eval.{k}" for k in EvalConfig.model_fields),  # the evaluator is optional and may run with its own
     }
 )
 

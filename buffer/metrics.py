@@ -1,7 +1,7 @@
 """Metrics files (``RUN/metrics/*.jsonl``): append a record, read them all, read the last few; and the sinks behind
-one ``log(metrics, step)`` interface (JSONL always, TensorBoard when it is installed).
+one ``log(metrics, step)`` interface (JSONL always; TensorBoard and Weights & Biases when asked for and installed).
 
-Each metrics file has one writer (the trainer's rank 0, one rollout worker, the demo's evaluator).  A record is one
+Each metrics file has one writer (the trainer's rank 0, one rollout worker, the evaluator).  A record is one
 line written by one ``write`` on an O_APPEND descriptor, so a reader sees whole lines plus at most one line still
 being written; readers skip a line that does not parse.  A writer killed mid-line leaves a torn line behind: the next
 append starts a new line, so only the torn record is lost.
@@ -14,8 +14,12 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .run import Run
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +138,70 @@ def tensorboard_sink(log_dir: Path) -> TensorBoardSink | None:
     return TensorBoardSink(SummaryWriter(str(log_dir)))
 
 
+@dataclass(frozen=True)
+class WandbTarget:
+    """Where one process logs in W&B.  Every process of a run (trainer, each worker, the evaluator, started by
+    separate jobs) is its own W&B run in the group ``group`` (the run id), so they land together; ``name`` tells
+    them apart and also makes the W&B run id, so a restarted process continues its own W&B run."""
+
+    project: str
+    group: str
+    name: str
+    dir: Path
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+class WandbSink:
+    """The numeric metrics of each record, plotted against ``step`` (trainer step, or the worker's own count)."""
+
+    def __init__(self, run: Any):
+        self.run = run
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        # no step= argument: W&B refuses a step below one it has seen, and a restarted process may repeat steps
+        self.run.log({**numbers, "step": step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def wandb_target(run: Run, name: str) -> WandbTarget | None:
+    """Process ``name``'s W&B target when the run asks for W&B (``run.wandb``), else None."""
+    if not run.config.run.wandb:
+        return None
+    return WandbTarget(
+        project=run.config.run.wandb_project,
+        group=run.run_id,
+        name=name,
+        dir=run.layout.logs,
+        config=run.config.model_dump(mode="json"),
+    )
+
+
+def wandb_sink(target: WandbTarget) -> WandbSink | None:
+    """A W&B sink for ``target``, or None (and one log line) when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError as e:
+        log.info("metrics: W&B sink off (%s; `pip install shardrl[wandb]` turns it on)", e)
+        return None
+    target.dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=target.project,
+        group=target.group,
+        name=f"{target.group}-{target.name}",
+        id=f"{target.group}-{target.name}",
+        job_type=target.name.split("-")[0],
+        dir=str(target.dir),
+        config=dict(target.config),
+        resume="allow",
+    )
+    return WandbSink(run)
+
+
 class Sinks:
     """Several sinks behind the one ``log(metrics, step)``."""
 
@@ -149,11 +217,22 @@ class Sinks:
             s.close()
 
 
-def open_sinks(jsonl: Path, tensorboard_dir: Path | None = None) -> Sinks:
-    """JSONL into ``jsonl``; TensorBoard too when ``tensorboard_dir`` is given and TensorBoard is installed."""
+def open_sinks(jsonl: Path, tensorboard_dir: Path | None = None, wandb: WandbTarget | None = None) -> Sinks:
+    """JSONL into ``jsonl``; TensorBoard too when ``tensorboard_dir`` is given and TensorBoard is installed; W&B
+    too when ``wandb`` is given and wandb is installed."""
     sinks: list[Sink] = [JsonlSink(jsonl)]
     if tensorboard_dir is None:
         log.info("metrics: TensorBoard sink off (not asked for)")
     elif (tb := tensorboard_sink(tensorboard_dir)) is not None:
         sinks.append(tb)
+    if wandb is not None and (wb := wandb_sink(wandb)) is not None:
+        sinks.append(wb)
     return Sinks(sinks)
+
+
+def wandb_sinks(run: Run, name: str) -> Sinks:
+    """Process ``name``'s W&B sink when the run asks for W&B and wandb is installed; no sink otherwise (for a
+    process that writes its JSONL records itself)."""
+    target = wandb_target(run, name)
+    sink = wandb_sink(target) if target is not None else None
+    return Sinks([sink] if sink is not None else [])

@@ -52,6 +52,7 @@ def _absolutize(cfg: ShardRLConfig) -> ShardRLConfig:
         ("data", "prompts_file"),
         ("reward", "reward_model"),
         ("trainer", "critic_path"),
+        ("eval", "prompts_file"),
     ):
         if data[section][key]:
             data[section][key] = str(Path(data[section][key]).absolute())

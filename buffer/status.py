@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import heartbeats, plans, shards, weights
+from . import heartbeats, metrics, plans, shards, weights
 from .control import CONTROL_MAX_BYTES, all_leases, command_key, read_state
 from .fsio import HOST, FileRefused, read_capped_stat, read_json_or_none
 from .layout import RunLayout
@@ -177,6 +177,7 @@ def snapshot(layout: RunLayout) -> dict[str, Any]:
             "quarantined": len(shards.quarantined(layout)),
         },
         "plans": len(plan_steps),
+        "eval": metrics.last(layout.metrics_file("eval")),  # the evaluator's latest score, None before one
         "problems": problems,
     }
 

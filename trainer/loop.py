@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from buffer import heartbeats
-from buffer.metrics import Sinks, open_sinks
+from buffer.metrics import Sinks, open_sinks, wandb_target
 from buffer.plans import FencedError, PlanLog
 from buffer.records import RecordError, RunFinished, TrainerStatus
 from buffer.run import Run
@@ -157,7 +157,7 @@ class Reporter:
         self.last_error: str | None = None
         if tdist.is_main():
             tb = run.layout.root / "tensorboard" if run.config.trainer.tensorboard else None
-            self.sink = open_sinks(run.layout.metrics_file("trainer"), tb)
+            self.sink = open_sinks(run.layout.metrics_file("trainer"), tb, wandb_target(run, "trainer"))
             self.writer = heartbeats.trainer_status(run.layout, epoch=epoch, resumed_from=state.step)
 
     def error(self, message: str) -> None:

@@ -40,9 +40,12 @@ def step_line(step: int, m: dict[str, Any]) -> str:
     value = f"value mse {m['value_mse']:.4f} | " if "value_mse" in m else ""
     entropy = f"{m['entropy']:.3f}" if "entropy" in m else "-"
     missing = f" | {m['replay_missing']} unreadable" if m.get("replay_missing") else ""
+    # a KL or a clip fraction never measured (no reference model, truncated IS) is left out, not shown as 0
+    kl = f"kl {m['kl_ref']:.4f} | " if "kl_ref" in m else ""
+    clip = f"clip {m['clip_frac']:.3f} | " if "clip_frac" in m else ""
     return (
         f"step {step} | loss {m.get('loss', 0):.4f} | reward {m.get('reward_mean', 0):.3f} | "
-        f"kl {m.get('kl_ref', 0):.4f} | entropy {entropy} | clip {m.get('clip_frac', 0):.3f} | "
+        f"{kl}entropy {entropy} | {clip}"
         f"grad-norm {m.get('grad_norm', 0):.3f} | lr {m.get('lr', 0):.2e} | {value}"
         f"stale {m.get('staleness_mean', 0):.2f} (dropped {m.get('dropped_stale', 0)}){missing} | "
         f"{m.get('tokens_per_s', 0):.0f} tok/s | {_time(m)} | peak {m.get('peak_mem_gib', 0):.2f} GiB"

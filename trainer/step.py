@@ -329,6 +329,8 @@ def _policy_terms(
     )
     if weight is not None:
         m["is_weight"] = ppo.masked_mean(weight, mask)
+    if a.dual_clip is None:
+        m.pop("dual_clip_frac", None)  # no dual clip: nothing was measured
     return loss, m
 
 
@@ -425,9 +427,28 @@ def train_step(
     out.update({k: sum(v) / len(v) for k, v in norms.items() if k != "skipped_updates"})
     out["skipped_updates"] = sum(norms["skipped_updates"])
     out["lr"] = float(models.optimizer.param_groups[0]["lr"])
-    out["clip_frac"] = out.get("clip_frac_low", 0.0) + out.get("clip_frac_high", 0.0)
+    if "clip_frac_low" in out or "clip_frac_high" in out:  # a ratio was clipped against (not with tis)
+        out["clip_frac"] = out.get("clip_frac_low", 0.0) + out.get("clip_frac_high", 0.0)
+    out.update(sample_metrics(samples, cfg.rollout.sampling.max_response_length))
     _adapt_kl(cfg, models, out, len(samples))
     return out
+
+
+def sample_metrics(samples: list[Sample], max_response_length: int) -> dict[str, float]:
+    """What the step's samples were: response length mean/max, the fraction that used the whole response budget
+    (truncated, or ending exactly there), reward mean/std."""
+    if not samples:
+        return {}
+    lengths = [len(s.response_ids) for s in samples]
+    rewards = [s.reward for s in samples]
+    mean = sum(rewards) / len(rewards)
+    return {
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": float(max(lengths)),
+        "truncated_frac": sum(1 for n in lengths if n >= max_response_length) / len(lengths),
+        "reward_mean": mean,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+    }
 
 
 def _adapt_kl(cfg: ShardRLConfig, models: Models, out: dict[str, float], n_samples: int) -> None:

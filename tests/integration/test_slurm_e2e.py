@@ -81,7 +81,6 @@ def _make_run(tmp_path: Path, **extra: str) -> Path:
             "trainer.samples_per_step": "32",
             "trainer.save_every": "2",
             "trainer.max_staleness": "100",
-            "trainer.eval_every": "0",
             "run.lease_timeout_s": "6",
         },
     )

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from buffer import metrics
 
 
@@ -96,3 +98,39 @@ def test_sinks_share_one_log_interface_and_say_when_tensorboard_is_off(
     assert rec["step"] == 3 and rec["reward_mean"] == 0.5 and rec["samples"] == 8 and "time" in rec
     assert extra.got == [({"reward_mean": 0.5, "samples": 8}, 3)] and extra.closed
     assert not (tmp_path / "tb").exists()
+
+
+def _target(tmp_path: Path) -> metrics.WandbTarget:
+    return metrics.WandbTarget(
+        project="shardrl-test", group="20260101-000000-abcdef", name="trainer", dir=tmp_path / "logs"
+    )
+
+
+def test_wandb_sink_says_once_when_wandb_is_absent(tmp_path: Path, monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as where the wandb extra is not installed
+    path = tmp_path / "trainer.jsonl"
+    with caplog.at_level(logging.INFO, logger="buffer.metrics"):
+        sinks = metrics.open_sinks(path, wandb=_target(tmp_path))
+    off = [r.getMessage() for r in caplog.records if "W&B sink off" in r.getMessage()]
+    assert len(off) == 1 and "shardrl[wandb]" in off[0]
+    assert [type(s) for s in sinks.sinks] == [metrics.JsonlSink]
+    sinks.log({"reward_mean": 0.5}, step=1)
+    assert metrics.read_all(path)[0]["reward_mean"] == 0.5
+
+
+def test_wandb_sink_offline_groups_the_run_and_logs_numbers(tmp_path: Path, monkeypatch) -> None:
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sinks = metrics.open_sinks(tmp_path / "trainer.jsonl", wandb=_target(tmp_path))
+    (_, wb) = sinks.sinks
+    assert isinstance(wb, metrics.WandbSink)
+    assert wb.run.group == "20260101-000000-abcdef" and wb.run.id == "20260101-000000-abcdef-trainer"
+    sinks.log({"reward_mean": 0.25, "worker_id": "w0", "done": True}, step=2)
+    sinks.log({"reward_mean": 0.5}, step=3)
+    assert wb.run.summary["reward_mean"] == 0.5 and wb.run.summary["step"] == 3
+    assert not {"worker_id", "done"} & set(wb.run.summary.keys())  # numbers only
+    sinks.close()
+    assert wandb.run is None
+    (offline,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")
+    assert list(offline.glob("*.wandb"))

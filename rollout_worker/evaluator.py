@@ -1,0 +1,236 @@
+"""The evaluator: greedy scores of the trainer's published weight versions, as a process of its own.
+
+    python -P -m rollout_worker --eval --run-dir RUN [--once] [--eval.every 5 ...]
+
+It runs beside the supervisor and the trainer (started by the same job or a separate one) and only reads what they
+publish, so it never holds the trainer up.  Each ``eval.every``-th version (and version 0, the base model, first with
+``eval.base``) is verified against its manifest, loaded into the run's engine (vLLM, or transformers) and scored
+greedily (temperature 0) on the held-out prompts (``eval.prompts_file``, or the prompts of ``data.task``) with the
+run's reward function.  One record per version goes to RUN/metrics/eval.jsonl: ``version``, ``step``,
+``reward_mean``, and ``accuracy`` (the fraction of responses scoring at least the task's full score; left out where
+no full score is defined).  A version that fails to verify or load is skipped with one log line.  Versions already
+in eval.jsonl are not scored again, so a restarted evaluator resumes.  ``--once`` scores what is due and the latest
+version, then exits (the demo's final figure).  SIGTERM/SIGINT end it after the version in hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from buffer import metrics
+from buffer.config import ShardRLConfig
+from buffer.run import Run
+from buffer.weights import WeightsError, latest_version, published_versions, verify_version
+from rollout_worker.engines import resolve_kind
+from rollout_worker.engines.base import Engine, EngineError, SamplingSpec
+from rollout_worker.prompts import EncodedPrompt, Prompt, load_prompts, make_encoder
+from rollout_worker.rewards import REGISTRY, Scorer, make_scorer
+
+log = logging.getLogger("shardrl.eval")
+EVAL_METRICS = "eval"  # RUN/metrics/eval.jsonl
+
+
+# ---------------------------------------------------------------------------------------------- what to score
+
+
+def eval_prompts(cfg: ShardRLConfig) -> list[Prompt]:
+    """The held-out prompts: ``eval.prompts_file`` (read like data.prompts_file), else the run's own prompts."""
+    data = cfg.data
+    if cfg.eval.prompts_file:
+        data = data.model_copy(update={"task": "file", "prompts_file": cfg.eval.prompts_file})
+    prompts = load_prompts(data)
+    return prompts[: cfg.eval.max_prompts] if cfg.eval.max_prompts else prompts
+
+
+def full_score(cfg: ShardRLConfig) -> float | None:
+    """The reward of a correct response: eval.full_score, else 1.0 for the registered rewards (all of them give 1.0
+    to a right answer); None for a user function, whose scale is unknown."""
+    if cfg.eval.full_score is not None:
+        return cfg.eval.full_score
+    return 1.0 if cfg.reward.function in REGISTRY else None
+
+
+def is_due(version: int, cfg: ShardRLConfig) -> bool:
+    if version == 0:
+        return cfg.eval.base
+    return version % cfg.eval.every == 0
+
+
+def pending(run: Run, done: set[int], *, latest_too: bool = False) -> list[int]:
+    """Versions to score, oldest first: the due ones still published (or LATEST) and not yet scored."""
+    latest = latest_version(run.layout)
+    candidates = {v for v in published_versions(run.layout) if v <= latest} | {latest, 0}
+    due = {v for v in candidates if is_due(v, run.config)}
+    if latest_too:
+        due.add(latest)
+    return sorted(due - done)
+
+
+def summarize(rewards: list[float], full: float | None) -> dict[str, float]:
+    """``reward_mean`` and, where a full score is defined, ``accuracy``: the fraction scoring at least it."""
+    if not rewards:
+        return {}
+    out = {"reward_mean": sum(rewards) / len(rewards)}
+    if full is not None:
+        out["accuracy"] = sum(1 for r in rewards if r >= full) / len(rewards)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class Evaluator:
+    """One engine, the encoded held-out prompts and the scorer; ``score(version)`` gives one eval record."""
+
+    run: Run
+    engine: Engine
+    prompts: list[EncodedPrompt]
+    scorer: Scorer
+    serving: int = 0  # the version the engine holds (0: the base it was built on)
+
+    def sampling(self) -> SamplingSpec:
+        cfg = self.run.config
+        s = cfg.rollout.sampling
+        return SamplingSpec(
+            temperature=0.0,
+            max_tokens=cfg.eval.max_response_length or s.max_response_length,
+            n=1,
+            stop=list(s.stop),
+            seed=0,
+        )
+
+    def load(self, version: int) -> int:
+        """Verify and load ``version``; its trainer step.  WeightsError/EngineError when it cannot be used."""
+        if version == 0:
+            if self.serving != 0:
+                raise EngineError("the base model is only scored before any version is loaded")
+            return 0
+        wv = verify_version(self.run.layout, version)
+        self.engine.load_weights(wv.path)
+        self.serving = version
+        return wv.step
+
+    def score(self, version: int) -> tuple[int, dict[str, Any]]:
+        """(trainer step, record) of ``version``, scored greedily on every held-out prompt."""
+        start = time.monotonic()
+        step = self.load(version)
+        batch = max(1, self.run.config.rollout.prompts_per_batch)
+        rewards: list[float] = []
+        failed = 0
+        for i in range(0, len(self.prompts), batch):
+            chunk = self.prompts[i : i + batch]
+            outputs = self.engine.generate([p.ids for p in chunk], self.sampling())
+            for group in self.scorer.score_batch(chunk, outputs):
+                if group.rewards is None:
+                    failed += 1
+                else:
+                    rewards.extend(group.rewards)
+        record: dict[str, Any] = {
+            "version": version,
+            **summarize(rewards, full_score(self.run.config)),
+            "prompts": len(self.prompts),
+            "eval_s": round(time.monotonic() - start, 3),
+        }
+        if failed:
+            record["reward_errors"] = failed
+        return step, record
+
+
+def encode_prompts(run: Run, prompts: list[Prompt], tokenizer: Any) -> list[EncodedPrompt]:
+    """The prompts as token ids; those longer than the engine's prompt budget are left out (one log line)."""
+    cfg = run.config
+    limit = min(cfg.data.max_prompt_length, cfg.context_length() - 1)
+    encode = make_encoder(tokenizer, cfg.data.chat_template, cfg.data)
+    out = []
+    for p in prompts:
+        text, ids = encode(p)
+        if len(ids) <= limit:
+            out.append(EncodedPrompt(p, ids, text))
+    if len(out) < len(prompts):
+        log.info("eval: %d prompts longer than %d tokens left out", len(prompts) - len(out), limit)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the process
+
+
+def _line(record: dict[str, Any], step: int) -> str:
+    acc = record.get("accuracy")
+    reward = record.get("reward_mean")
+    return (
+        f"eval v{record['version']} (step {step}) | reward {'-' if reward is None else f'{reward:.3f}'} | "
+        f"accuracy {'-' if acc is None else f'{acc:.3f}'} | {record['prompts']} prompts | {record['eval_s']:.1f} s"
+    )
+
+
+def _stop_flag() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def build(run: Run) -> Evaluator:
+    """Prompts, reward and engine, built once (user errors first, before the engine starts)."""
+    from transformers import AutoTokenizer
+
+    from rollout_worker.engines import make_engine
+    from rollout_worker.prompts import derive_seed
+    from rollout_worker.worker import engine_dtype, vllm_options
+
+    cfg = run.config
+    prompts, scorer = eval_prompts(cfg), make_scorer(cfg.reward)
+    tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer_dir))
+    encoded = encode_prompts(run, prompts, tokenizer)
+    engine = make_engine(
+        resolve_kind(cfg.rollout.engine),
+        run.model_dir,
+        dtype=engine_dtype(run),
+        seed=derive_seed(cfg.run.seed, "eval"),
+        max_model_len=cfg.context_length(),
+        vllm_options=vllm_options(run),
+        lora_rank=cfg.model.lora.rank,
+    )
+    return Evaluator(run, engine, encoded, scorer)
+
+
+def run_evaluator(run: Run, *, once: bool = False) -> int:
+    """Score due versions as they are published until stopped (``once``: what is due now and the latest)."""
+    stop = _stop_flag()
+    path = run.layout.metrics_file(EVAL_METRICS)
+    done = {int(r["version"]) for r in metrics.read_all(path) if isinstance(r.get("version"), int)}
+    ev = build(run)
+    sink = metrics.open_sinks(path, wandb=metrics.wandb_target(run, EVAL_METRICS))
+    skipped: set[int] = set()
+    log.info("eval: %d prompts, every %d versions, engine up", len(ev.prompts), run.config.eval.every)
+    try:
+        while not stop.is_set():
+            for version in pending(run, done | skipped, latest_too=once):
+                if stop.is_set():
+                    break
+                try:
+                    step, record = ev.score(version)
+                except (WeightsError, EngineError, OSError) as e:
+                    log.warning("eval: weights v%d skipped (%s)", version, e)
+                    skipped.add(version)
+                    continue
+                sink.log(record, step)
+                done.add(version)
+                log.info("%s", _line(record, step))
+            if once:
+                break
+            stop.wait(run.config.eval.poll_s)
+    finally:
+        sink.close()
+        ev.engine.close()
+    return 0
