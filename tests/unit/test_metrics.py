@@ -134,3 +134,22 @@ def test_wandb_sink_offline_groups_the_run_and_logs_numbers(tmp_path: Path, monk
     assert wandb.run is None
     (offline,) = (tmp_path / "logs" / "wandb").glob("offline-run-*")
     assert list(offline.glob("*.wandb"))
+
+
+def test_step_metrics_are_only_what_was_measured() -> None:
+    from trainer.data import Sample
+    from trainer.metrics import step_line
+    from trainer.step import sample_metrics
+
+    def sample(n: int, reward: float) -> Sample:
+        return Sample("s", "g", [1, 2], [5] * n, [0.0] * n, reward, 0)
+
+    m = sample_metrics([sample(2, 1.0), sample(4, 0.0), sample(4, 0.5)], max_response_length=4)
+    assert m["response_len_mean"] == 10 / 3 and m["response_len_max"] == 4
+    assert m["truncated_frac"] == 2 / 3
+    assert m["reward_mean"] == 0.5 and abs(m["reward_std"] - (1 / 6) ** 0.5) < 1e-12
+    assert sample_metrics([], 4) == {}
+    line = step_line(3, {"samples": 3, "loss": 0.1, "reward_mean": 0.5})  # no reference model, truncated IS
+    assert "kl" not in line.replace("kl_", "") and "clip" not in line
+    line = step_line(3, {"samples": 3, "kl_ref": 0.002, "clip_frac": 0.25})
+    assert "kl 0.0020" in line and "clip 0.250" in line
