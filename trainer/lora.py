@@ -12,7 +12,7 @@ reduced.
 The KL reference is the same model with its adapters switched off (``AdaptersOff``): no second copy of the base.
 
 Published adapters (``trainer/publish.py``) carry peft's own file names (``peft_name``) and an
-``adapter_config.json`` from peft's ``LoraConfig`` (``adapter_config``), so ``PeftModel.from_pretrained`` and vLLM's
+``adapter_config.json`` from peft's ``LoraConfig`` (``adapter_files``), so ``PeftModel.from_pretrained`` and vLLM's
 ``LoRARequest`` load them as they load any peft adapter.
 """
 
@@ -162,12 +162,9 @@ class AdaptersOff(Actor):
 
 
 def adapter_files(settings: AdapterConfig, base_model: Path) -> dict[str, str]:
-    """``adapter_config.json`` as peft writes it, by file name (peft's ``save_pretrained`` of the config)."""
-    import json
+    """``adapter_config.json`` as peft writes it (its ``save_pretrained`` of the config), by file name."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         peft_config(settings, base_model).save_pretrained(tmp)
-        text = (Path(tmp) / "adapter_config.json").read_text()
-    json.loads(text)  # peft wrote JSON
-    return {"adapter_config.json": text}
+        return {"adapter_config.json": (Path(tmp) / "adapter_config.json").read_text()}
