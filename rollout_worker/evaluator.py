@@ -10,7 +10,8 @@ run's reward function.  One record per version goes to RUN/metrics/eval.jsonl: `
 ``reward_mean``, and ``accuracy`` (the fraction of responses scoring at least the task's full score; left out where
 no full score is defined).  A version that fails to verify or load is skipped with one log line.  Versions already
 in eval.jsonl are not scored again, so a restarted evaluator resumes.  ``--once`` scores what is due and the latest
-version, then exits (the demo's final figure).  SIGTERM/SIGINT end it after the version in hand.
+version, then exits (the demo's final figure); so does an evaluator that finds the run finished (RUN/finished.json).
+SIGTERM/SIGINT end it after the version in hand.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Any
 
 from buffer import metrics
 from buffer.config import ShardRLConfig
+from buffer.records import RecordError
 from buffer.run import Run
+from buffer.status import read_finished
 from buffer.weights import WeightsError, latest_version, published_versions, verify_version
 from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import Engine, EngineError, SamplingSpec
@@ -169,6 +172,14 @@ def _line(record: dict[str, Any], step: int) -> str:
     )
 
 
+def _run_finished(run: Run) -> bool:
+    """The trainer recorded the end of the run's budget: nothing more will be published."""
+    try:
+        return read_finished(run.layout) is not None
+    except RecordError:
+        return False  # not a valid record (yet): keep following
+
+
 def _stop_flag() -> threading.Event:
     stop = threading.Event()
 
@@ -215,7 +226,8 @@ def run_evaluator(run: Run, *, once: bool = False) -> int:
     log.info("eval: %d prompts, every %d versions, engine up", len(ev.prompts), run.config.eval.every)
     try:
         while not stop.is_set():
-            for version in pending(run, done | skipped, latest_too=once):
+            last_round = once or _run_finished(run)
+            for version in pending(run, done | skipped, latest_too=last_round):
                 if stop.is_set():
                     break
                 try:
@@ -227,7 +239,7 @@ def run_evaluator(run: Run, *, once: bool = False) -> int:
                 sink.log(record, step)
                 done.add(version)
                 log.info("%s", _line(record, step))
-            if once:
+            if last_round:
                 break
             stop.wait(run.config.eval.poll_s)
     finally:

@@ -1,5 +1,6 @@
 """The evaluator process (`python -m rollout_worker --eval`) on a tiny run with published weight versions: one eval
-record per due version with its version and step, a damaged version skipped with one line, a restart resuming."""
+record per due version with its version and step, a damaged version skipped with one line, a restart resuming, an
+end once the run is finished."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import pytest
 
 from buffer import metrics, weights
 from buffer.run import Run
+from buffer.status import mark_finished
 from rollout_worker.evaluator import is_due, pending, summarize
 
 from ._rollout_helpers import ROOT, make_run
 
-EVAL = ["--eval", "--once", "--eval.every", "1", "--eval.base", "false", "--eval.max_prompts", "20"]
+EVAL = ["--eval", "--eval.every", "1", "--eval.base", "false", "--eval.max_prompts", "20"]
 
 
 def _publish(run: Run, model_dir: Path, version: int) -> None:
@@ -26,8 +28,9 @@ def _publish(run: Run, model_dir: Path, version: int) -> None:
     weights.commit_version(run.layout, version, staging, step=version * 10, dtype="float32")
 
 
-def _evaluate(run: Run, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-P", "-m", "rollout_worker", "--run-dir", str(run.layout.root), *EVAL, *extra]
+def _evaluate(run: Run, *, once: bool = True) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-P", "-m", "rollout_worker", "--run-dir", str(run.layout.root), *EVAL]
+    cmd += ["--once"] if once else []
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -53,7 +56,9 @@ def test_two_published_versions_make_two_records(run: Run) -> None:
         assert r["prompts"] == 20 and 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["reward_mean"] <= 1.0
     # the same weights, greedy: the same score
     assert recs[0]["accuracy"] == recs[1]["accuracy"]
-    again = _evaluate(run)  # a restart scores nothing twice
+    # without --once it follows the run until the run is finished; a restart scores nothing twice
+    mark_finished(run.layout, step=20, total_steps=20, published_version=2, epoch=None)
+    again = _evaluate(run, once=False)
     assert again.returncode == 0, again.stderr
     assert len(metrics.read_all(run.layout.metrics_file("eval"))) == 2
 
