@@ -25,14 +25,32 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from .fsio import GROUP_SHARED, Modes, mode_problem
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _octal(value: Any) -> Any:
+    """A mode given as text (``--run.file_mode 0o640``, or config.json's own "0o640") is octal."""
+    if isinstance(value, str):
+        try:
+            return int(value.removeprefix("0o"), 8)
+        except ValueError:
+            return value  # left for the int validation to refuse in one line
+    return value
+
+
+_Mode = Annotated[
+    int, BeforeValidator(_octal), PlainSerializer(lambda v: f"{v:#o}", return_type=str, when_used="json")
+]
 
 
 class RunConfig(_Section):
@@ -72,6 +90,36 @@ class RunConfig(_Section):
         description="Also keep every version whose number is a multiple of N (milestones for evaluation), "
         "besides the newest run.keep_weight_versions; 0 = none.",
     )
+    file_mode: _Mode | None = Field(
+        None,
+        description="Permission bits of every file the run creates, in octal (0o640); default 0o644, or 0o660 "
+        "with run.group_shared.  Never writable by others.",
+    )
+    dir_mode: _Mode | None = Field(
+        None,
+        description="Permission bits of every directory the run creates, in octal (0o750, 0o2770 with setgid); "
+        "default 0o755, or 0o2770 with run.group_shared.  Never writable by others.",
+    )
+    group_shared: bool = Field(
+        False,
+        description="The run is shared by one Unix group: files 0o660 and directories 0o2770 (setgid keeps the "
+        "group on new entries), where run.file_mode/run.dir_mode do not say otherwise.",
+    )
+
+    def modes(self) -> Modes:
+        """The file and directory modes of the run (``buffer.fsio.set_modes``)."""
+        base = GROUP_SHARED if self.group_shared else Modes()
+        return Modes(
+            file=base.file if self.file_mode is None else self.file_mode,
+            dir=base.dir if self.dir_mode is None else self.dir_mode,
+        )
+
+    @model_validator(mode="after")
+    def _modes_are_safe(self) -> RunConfig:
+        problem = mode_problem(self.modes())
+        if problem is not None:
+            raise ValueError(f"run.file_mode/run.dir_mode: {problem} (write modes in octal: 0o640)")
+        return self
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

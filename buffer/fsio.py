@@ -5,6 +5,15 @@ so a reader sees either the old content or the new one, never a partial file.  E
 ``os.link(tmp, final)``, which stays atomic over NFS where ``O_EXCL`` does not; ``claim_next`` builds "exactly one
 process gets number n" on it.  ``retry_transient`` is the one retry policy for the errors NFS/Lustre produce
 transiently.
+
+Every OSError raised here names its file (a run directory may span several file systems, and ``[Errno 28]`` alone
+does not say which one is full), and a temporary whose write failed is removed before the error is raised.
+
+Files and directories are created with the run's modes (``set_modes``, from ``run.file_mode``/``run.dir_mode``),
+never with whatever umask the process happened to inherit; ``set_modes`` also sets the umask, so that files written
+by libraries (checkpoints, safetensors, logs) get the same read/write bits as the directories.  Reads of files that
+another process or a person writes are size-capped (``read_capped``): a huge or non-regular file is refused before
+it is read.
 """
 
 from __future__ import annotations
@@ -15,9 +24,11 @@ import json
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +37,132 @@ T = TypeVar("T")
 # ENOENT right after a rename, ESTALE after a server-side replace, EIO on a flaky mount: worth a retry.
 TRANSIENT_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE, errno.EIO, errno.EAGAIN})
 HOST = socket.gethostname().replace(".", "_")
+# Run-directory JSON read by ``read_json``: far above any record we write (a plan of 100k sample ids is ~5 MB).
+JSON_MAX_BYTES = 64 << 20
+
+
+# ------------------------------------------------------------------------------------------------------- modes
+
+
+@dataclass(frozen=True)
+class Modes:
+    """Permission bits of what a process creates in the run directory."""
+
+    file: int = 0o644
+    dir: int = 0o755
+
+
+GROUP_SHARED = Modes(file=0o660, dir=0o2770)  # one group shares the run; new entries inherit it (setgid)
+
+
+def mode_problem(modes: Modes) -> str | None:
+    """Why ``modes`` cannot be a run's modes, or None: never writable by others; the owner can always use its own
+    files; a file mode grants nothing its directory mode withholds."""
+    if modes.file & ~0o777 or modes.file & 0o111:
+        return f"file mode {modes.file:#o} must be permission bits without execute (within 0o666)"
+    if modes.dir & ~0o3777:
+        return f"dir mode {modes.dir:#o} must be permission bits, optionally with setgid (0o2000) or sticky (0o1000)"
+    for what, mode, need in (("file", modes.file, 0o600), ("dir", modes.dir, 0o700)):
+        if mode & 0o002:
+            return f"{what} mode {mode:#o} is writable by every user; the run directory is trusted input"
+        if mode & need != need:
+            return f"{what} mode {mode:#o} must give its owner at least {need:#o}"
+    if modes.file & ~modes.dir & 0o666:
+        return f"file mode {modes.file:#o} grants read/write bits that dir mode {modes.dir:#o} does not"
+    return None
+
+
+def _current_umask() -> int:
+    try:  # race-free where /proc says it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+_modes = Modes()
+_umask = _current_umask()
+
+
+def set_modes(modes: Modes) -> None:
+    """Use ``modes`` for everything this process creates from now on; the umask follows the directory mode."""
+    global _modes, _umask
+    problem = mode_problem(modes)
+    if problem is not None:
+        raise ValueError(problem)
+    _modes = modes
+    _umask = 0o777 & ~modes.dir
+    os.umask(_umask)
+
+
+def modes() -> Modes:
+    return _modes
+
+
+def create_file(path: Path) -> int:
+    """Create ``path`` exclusively with the run's file mode; returns the open (write-only) descriptor."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _modes.file)
+    if _modes.file & _umask:  # the umask took bits the run wants: one more metadata round trip
+        try:
+            os.fchmod(fd, _modes.file)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def chmod_file(fd: int) -> None:
+    """Give a file another program created (a safetensors writer, a copy) the run's file mode."""
+    if stat.S_IMODE(os.fstat(fd).st_mode) != _modes.file:
+        os.fchmod(fd, _modes.file)
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` with the run's directory mode on every directory it creates (setgid included)."""
+    missing: list[Path] = []
+    p = Path(path)
+    while not p.exists():  # a regular file on the way is mkdir's to refuse (NotADirectoryError)
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(_modes.dir & 0o777)
+        except FileExistsError:
+            if d.is_dir():
+                continue  # another process made it: its mode is that process's business
+            raise
+        if _modes.dir & (_umask | 0o7000):  # mkdir applies the umask and drops setgid/sticky
+            os.chmod(d, _modes.dir)
+
+
+# ---------------------------------------------------------------------------------------------- named errors
+
+
+def named(e: OSError, path: Path | str) -> OSError:
+    """``e`` naming ``path``, with the same errno (and so the same OSError subclass); ``e`` when it names one."""
+    if e.filename is not None:
+        return e
+    if e.errno is None:  # raised by a library with a message only
+        return OSError(f"{path}: {e}")
+    return OSError(e.errno, e.strerror or str(e), str(path))
+
+
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """Raise every OSError of the block naming ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise named(e, path) from None
+
+
+# ------------------------------------------------------------------------------------------------------ writes
 
 
 def tmp_name(final: Path) -> Path:
@@ -34,19 +171,28 @@ def tmp_name(final: Path) -> Path:
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with naming(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _write_tmp(final: Path, data: bytes) -> Path:
+    """``data`` in a new temporary beside ``final``, fsynced; nothing is left behind when that fails."""
     tmp = tmp_name(final)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(create_file(tmp), "wb") as f:  # NFS may report a failed write only at close: inside the try
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError):
+            raise named(e, final) from None
+        raise
     return tmp
 
 
@@ -126,6 +272,9 @@ def numbered(directory: Path, pattern: re.Pattern[str]) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := pattern.match(n)))
 
 
+# ------------------------------------------------------------------------------------------------------- reads
+
+
 def retry_transient(
     fn: Callable[[], T],
     *,
@@ -148,9 +297,66 @@ def retry_transient(
     raise ValueError(f"retry_transient: attempts must be >= 1, got {attempts}")
 
 
-def read_json(path: Path, *, attempts: int = 5) -> Any:
-    """Read a JSON record written with ``write_json_atomic``; transient errors are retried."""
-    return retry_transient(lambda: json.loads(path.read_bytes()), attempts=attempts)
+class FileRefused(ValueError):
+    """A file that is not read at all: not a regular file, or larger than its reader accepts.  One line."""
+
+    def __init__(self, path: Path | str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+def read_capped_stat(path: Path | str, max_bytes: int) -> tuple[bytes, os.stat_result]:
+    """The bytes of ``path`` and the ``fstat`` of the very file read (not of whatever the name points to later).
+
+    Refused (``FileRefused``) without reading it all: anything but a regular file (a FIFO, whose open would block,
+    is opened non-blocking and refused; a directory), and a file over ``max_bytes``, by its size and again by what
+    the reads return (it may grow while being read).  OSErrors name the file; transient ones are not retried here.
+    """
+    with naming(path):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FileRefused(path, f"not a regular file ({_kind(st.st_mode)}); refused unread")
+            if st.st_size > max_bytes:
+                raise FileRefused(
+                    path, f"{st.st_size} bytes, more than the {max_bytes} accepted; refused unread"
+                )
+            chunks, got = [], 0
+            while got <= max_bytes and (chunk := os.read(fd, max_bytes + 1 - got)):
+                chunks.append(chunk)
+                got += len(chunk)
+            if got > max_bytes:
+                raise FileRefused(path, f"more than the {max_bytes} bytes accepted (it grew while read)")
+            return b"".join(chunks), st
+        finally:
+            os.close(fd)
+
+
+def read_capped(path: Path | str, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them, else ``FileRefused``
+    (``read_capped_stat`` says how)."""
+    return read_capped_stat(path, max_bytes)[0]
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def read_json(path: Path, *, attempts: int = 5, max_bytes: int = JSON_MAX_BYTES) -> Any:
+    """Read a JSON record written with ``write_json_atomic``; transient errors are retried.  A file over
+    ``max_bytes`` or not a regular file is ``FileRefused`` (a ValueError, as unparsable JSON is)."""
+    return json.loads(retry_transient(lambda: read_capped(path, max_bytes), attempts=attempts))
 
 
 def read_json_or_none(path: Path) -> Any | None:
@@ -159,6 +365,9 @@ def read_json_or_none(path: Path) -> Any | None:
         return read_json(path, attempts=2)
     except (OSError, ValueError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------- temporaries
 
 
 def iter_tmp_files(directory: Path) -> Iterator[Path]:

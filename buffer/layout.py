@@ -13,7 +13,7 @@ Nobody formats a run-directory path by hand anywhere else.  The layout (also doc
       shards/ready/            complete, published experience shards (Arrow IPC file format)
       shards/quarantine/       shards that failed validation, each with a .reason.json
       plans/step-XXXXXXXX.eN.json  the trainer's consumption log (one plan per step, N = trainer epoch)
-      plans/epochs/XXXXXX.json trainer incarnations (fencing)
+      plans/epochs/XXXXXX.json trainer incarnations (fencing); XXXXXX.progress.json: the step each is planning
       weights/vXXXXXX/         published HF-format weight versions (manifest.json written last)
       weights/LATEST           atomic pointer to the newest complete version
       status/workers/ID.json   worker status records (heartbeats)
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from .fsio import make_dirs
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,9 @@ class RunLayout:
     def epoch(self, epoch: int) -> Path:
         return self.epochs / f"{epoch:06d}.json"
 
+    def epoch_progress(self, epoch: int) -> Path:
+        return self.epochs / f"{epoch:06d}.progress.json"
+
     # weights
     @property
     def weights(self) -> Path:
@@ -195,5 +200,6 @@ class RunLayout:
         ]
 
     def create(self) -> None:
+        """Every directory of the run, with the run's directory mode (``fsio.set_modes``)."""
         for d in self.directories():
-            d.mkdir(parents=True, exist_ok=True)
+            make_dirs(d)

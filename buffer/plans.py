@@ -9,10 +9,16 @@ Plans and epoch claims are ``records.Plan`` / ``records.EpochClaim``; one that i
 (RecordError), never skipped: exactly-once cannot be decided without it.
 
 Fencing.  Each trainer incarnation claims the next epoch with ``fsio.claim_next`` (``plans/epochs/EEEEEE.json``),
-recording the highest valid plan step it saw (``max_step``).  A plan of epoch e for step s is valid only if s <= max_step of
-every later epoch: a zombie incarnation (an old Slurm job after a requeue) can only have written plans with higher
-steps after the newer one claimed, so whatever it writes is ignored, whatever the timing.  ``write_plan`` also
-refuses outright once a newer epoch exists.
+recording the highest plan step it knows of (``max_step``).  A plan of epoch e for step s is valid only if s <=
+max_step of every later epoch: a zombie incarnation (an old Slurm job after a requeue) can only have written plans
+with higher steps after the newer one claimed, so whatever it writes is ignored, whatever the timing.  ``write_plan``
+also refuses outright once a newer epoch exists.
+
+A plan can exist before a claim and still be invisible to the claimer's node (NFS caches lookups and listings for
+up to a minute).  So that such a plan is not fenced out (and its samples trained twice), ``max_step`` also covers
+what no listing is needed for: each incarnation replaces ``plans/epochs/EEEEEE.progress.json`` with step s before
+it checks its fence and creates plan s, and the claimer reads those by name; and the step of the checkpoint the
+claimer resumes from (``resumed_step``), whose plans were trained for certain.
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .fsio import HOST, claim_next
+from .fsio import HOST, claim_next, make_dirs
 from .layout import RunLayout
-from .records import EpochClaim, Plan, RecordError, create_record, read_record
+from .records import EpochClaim, EpochProgress, Plan, RecordError, create_record, read_record, write_record
 
 _PLAN_RE = re.compile(r"^step-(\d{8})\.e(\d+)\.json$")
 
@@ -72,6 +78,22 @@ def _plan_files(layout: RunLayout) -> list[PlanFile]:
         if m:
             out.append(PlanFile(int(m.group(1)), int(m.group(2)), layout.plans / n))
     return sorted(out)
+
+
+def _announced_step(layout: RunLayout, epoch: int) -> int:
+    """The highest step any incarnation before ``epoch`` announced (read by name: no listing to be stale)."""
+    best = 0
+    for e in range(1, epoch):
+        try:
+            progress = read_record(EpochProgress, layout.epoch_progress(e), attempts=3)
+        except FileNotFoundError:
+            continue  # an incarnation that never planned a step
+        if progress.epoch != e:
+            raise RecordError(
+                layout.epoch_progress(e), "epoch", f"is {progress.epoch}, the file name says {e}"
+            )
+        best = max(best, progress.step)
+    return best
 
 
 def valid_plan_files(layout: RunLayout) -> dict[int, PlanFile]:
@@ -126,13 +148,19 @@ class PlanLog:
         self.epoch = epoch
 
     @classmethod
-    def claim(cls, layout: RunLayout) -> PlanLog:
-        """Start a new incarnation: claim the next epoch, fencing out every older one."""
-        layout.epochs.mkdir(parents=True, exist_ok=True)
+    def claim(cls, layout: RunLayout, resumed_step: int = 0) -> PlanLog:
+        """Start a new incarnation: claim the next epoch, fencing out every older one.
+
+        ``resumed_step`` is the step of the checkpoint this incarnation resumes from (0 for none): its plans stay
+        valid even where this node cannot list them yet.
+        """
+        make_dirs(layout.epochs)
 
         def claim_record(epoch: int) -> bytes:
-            # what this incarnation has seen right before the claim: plans up to here stay valid
-            max_step = max(valid_plan_files(layout), default=0)
+            # what this incarnation knows right before the claim: plans up to here stay valid
+            max_step = max(
+                max(valid_plan_files(layout), default=0), _announced_step(layout, epoch), resumed_step
+            )
             return EpochClaim(
                 epoch=epoch, max_step=max_step, host=HOST, pid=os.getpid(), at=time.time()
             ).to_bytes()
@@ -160,6 +188,10 @@ class PlanLog:
         extra: dict[str, Any] | None = None,
     ) -> Plan:
         """Durably record what ``step`` consumes, before training on it."""
+        # announced before the fence check: a claim that this check cannot see yet will count this step as known
+        write_record(
+            self.layout.epoch_progress(self.epoch), EpochProgress(epoch=self.epoch, step=step, at=time.time())
+        )
         self.check_not_fenced()
         if step in valid_plan_files(self.layout):
             raise FileExistsError(f"{self.layout.plans}: step {step} already has a plan; replay it instead")

@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar, get_args
+from typing import Any, ClassVar, Literal, Self, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .fsio import create_exclusive, json_bytes, retry_transient, write_atomic
+from .fsio import FileRefused, create_exclusive, json_bytes, read_capped, retry_transient, write_atomic
 
 # The phases each process reports.  A process in one of the final states is not coming back by itself.
 WorkerState = Literal["starting", "loading", "running", "reloading", "paused", "stopped", "failed"]
@@ -49,6 +49,8 @@ class Record(_Strict):
     """Base of every record: strict types, no unknown fields, ``schema_version`` checked first on reading."""
 
     schema_version: int
+    # A reader refuses a larger file unread: a damaged or hostile file must not exhaust its memory.
+    max_bytes: ClassVar[int] = 1 << 20
 
     @classmethod
     def expected_version(cls) -> int:
@@ -105,8 +107,14 @@ R = TypeVar("R", bound=Record)
 
 
 def read_record(kind: type[R], path: Path, *, attempts: int = 5) -> R:
-    """Read and check one record file; FileNotFoundError when it is absent (after the transient retries)."""
-    raw = retry_transient(path.read_bytes, attempts=attempts)
+    """Read and check one record file; FileNotFoundError when it is absent (after the transient retries).
+
+    OSErrors name the file; one that is not a regular file or is over ``kind.max_bytes`` is a RecordError, unread.
+    """
+    try:
+        raw = retry_transient(lambda: read_capped(path, kind.max_bytes), attempts=attempts)
+    except FileRefused as e:
+        raise RecordError(path, None, f"{e.reason} (a {kind.__name__} record)") from None
     try:
         data = json.loads(raw)
     except ValueError as e:
@@ -274,6 +282,7 @@ class WeightsManifest(Record):
     """
 
     schema_version: Literal[2] = 2
+    max_bytes: ClassVar[int] = 16 << 20
     version: int = Field(ge=1)
     step: int = Field(ge=0)
     dtype: str
@@ -292,6 +301,7 @@ class ControlGeneration(Record):
     """``control/gen-XXXXXXXX.json``: the desired worker count after each applied or rejected command."""
 
     schema_version: Literal[1] = 1
+    max_bytes: ClassVar[int] = 16 << 20  # the history grows with every command
     generation: int = Field(ge=0)
     desired: int = Field(ge=0)
     last_applied: dict[str, Any] | None
@@ -321,6 +331,7 @@ class Plan(Record):
     """``plans/step-XXXXXXXX.eE.json``: what trainer step ``step`` of incarnation ``epoch`` consumes."""
 
     schema_version: Literal[1] = 1
+    max_bytes: ClassVar[int] = 64 << 20  # sample ids of a whole step
     step: int = Field(ge=1)
     epoch: int = Field(ge=1)
     shards: list[str]
@@ -338,4 +349,15 @@ class EpochClaim(Record):
     max_step: int = Field(ge=0)
     host: str
     pid: int
+    at: float
+
+
+class EpochProgress(Record):
+    """``plans/epochs/EEEEEE.progress.json``: the highest step trainer incarnation ``epoch`` has started writing a
+    plan for, replaced before each plan is created.  A newer incarnation reads it by name when it claims, so a plan
+    that its node cannot list yet (a lookup cache) is still covered by its claim's ``max_step``."""
+
+    schema_version: Literal[1] = 1
+    epoch: int = Field(ge=1)
+    step: int = Field(ge=1)
     at: float

@@ -2,11 +2,18 @@
 
 ``shardrl init`` is the only writer of run.json and config.json; every later process opens the run and reads its
 config from there (``open_run``), with per-process overrides only.
+
+Opening a run is where its security model is applied (docs/RELIABILITY.md, "Trust"): a run directory (or its
+checkpoints, weights, base model or config) that users other than its owner and group may write is refused in one
+line, since every process loads what is there; and the process creates files and directories with the run's modes
+from then on (``run.file_mode``/``run.dir_mode``/``run.group_shared``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -17,7 +24,7 @@ from typing import Any
 from . import SCHEMA_VERSION
 from .config import ConfigError, ShardRLConfig, flatten, load_run_config
 from .control import init_state
-from .fsio import create_json_exclusive, read_json_or_none
+from .fsio import create_json_exclusive, make_dirs, read_json_or_none, set_modes
 from .layout import RunLayout
 
 TINY = ("tiny", "tiny-tied")
@@ -92,8 +99,11 @@ def init_run(root: str | Path, cfg: ShardRLConfig, build_base_model: BaseModelBu
     from filelock import FileLock
 
     layout = RunLayout.of(root)
-    layout.root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(layout.root / ".init.lock")):
+    set_modes(cfg.run.modes())
+    if layout.root.exists():
+        check_permissions(layout)
+    make_dirs(layout.root)
+    with FileLock(str(layout.root / ".init.lock"), mode=cfg.run.modes().file):
         return _init_locked(layout, _absolutize(cfg), build_base_model)
 
 
@@ -151,5 +161,30 @@ def open_run(root: str | Path, overrides: dict[str, str] | None = None) -> Run:
     """Open an existing run; its config comes from the run directory, plus per-process overrides."""
     layout = RunLayout.of(root)
     meta = read_run_json(layout)
+    check_permissions(layout)
     cfg = load_run_config(layout.config_json, overrides)
+    set_modes(cfg.run.modes())
     return Run(layout, cfg, str(meta["run_id"]))
+
+
+def check_permissions(layout: RunLayout) -> None:
+    """One ConfigError line when the run directory, or what of it is loaded as code or weights, is writable by
+    users other than its owner and group (DCP unpickles checkpoint metadata; weights and config.json are trusted)."""
+    for p in (
+        layout.root,
+        layout.checkpoints,
+        layout.weights,
+        layout.base_model,
+        layout.config_json,
+        layout.run_json,
+    ):
+        try:
+            mode = os.stat(p).st_mode
+        except FileNotFoundError:
+            continue
+        if mode & stat.S_IWOTH:
+            raise ConfigError(
+                f"{p}: writable by every user (mode {stat.S_IMODE(mode):#o}); a run directory is trusted input "
+                f"(checkpoints are unpickled, weights and config loaded), so it must be writable only by its "
+                f"owner and group: chmod o-w {p}"
+            )

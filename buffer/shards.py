@@ -9,14 +9,19 @@ validation off the trainer's critical path; the threat is storage corruption, no
 Shard names ``<worker>.<incarnation>.<seq>.n<rows>.<crc32>.arrow`` never collide: the incarnation is random per
 process start, so a requeued Slurm job cannot reuse a name.  The row count in the name lets the backlog be counted
 from a directory listing without opening files.
+
+Reading tells storage from content.  A shard is read into memory with ``read()`` (never memory-mapped: a failed
+page-in of a mapped file is SIGBUS, which kills the reader instead of raising), so an I/O error is an OSError naming
+the file, raised after the transient retries; the shard stays in ready/ for the next attempt.  Only bad content
+(checksum, Arrow footer, schema, values, another run's id) is a ShardError, which quarantines it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import queue
+import stat
 import threading
 import time
 import uuid
@@ -32,13 +37,23 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from .fsio import fsync_dir, retry_transient, tmp_name, write_json_atomic
+from .fsio import (
+    create_file,
+    fsync_dir,
+    named,
+    read_json_or_none,
+    retry_transient,
+    tmp_name,
+    write_json_atomic,
+)
 from .layout import RunLayout
-from .schema import OPTIONAL_NAMES, REQUIRED_NAMES, schema_problem, schema_with_metadata
+from .schema import META_RUN_ID, OPTIONAL_NAMES, REQUIRED_NAMES, schema_problem, schema_with_metadata
 
 SUFFIX = ".arrow"
 # Logprobs are log-softmax outputs: <= 0 up to float32 rounding.
 LOGPROB_TOLERANCE = 1e-4
+# Reads of this size keep the CRC-32 of each piece in the CPU cache, so checking costs about the copy alone.
+READ_CHUNK = 16 << 20
 
 
 class ShardError(ValueError):
@@ -178,22 +193,37 @@ class _CrcSink:
 
 
 def publish_shard(layout: RunLayout, table: pa.Table, worker_id: str, incarnation: str, seq: int) -> Path:
-    """Write ``table`` as a shard: tmp file, fsync, rename into ready/ (named by its CRC-32), fsync ready/."""
+    """Write ``table`` as a shard: tmp file, fsync, rename into ready/ (named by its CRC-32), fsync ready/.
+
+    A transient error (an EIO from a flaky target) writes the whole shard again under a new temporary; a
+    persistent one, and ENOSPC, is raised naming the temporary, which is removed first.  A rename retried after a
+    retransmitted RENAME succeeded only replaces the shard with the same bytes under the same name.
+    """
+    final = retry_transient(lambda: _publish_once(layout, table, worker_id, incarnation, seq))
+    fsync_dir(layout.shards_ready)
+    return final
+
+
+def _publish_once(layout: RunLayout, table: pa.Table, worker_id: str, incarnation: str, seq: int) -> Path:
     tmp = tmp_name(layout.shards_tmp / f"{worker_id}.{incarnation}.{seq:06d}{SUFFIX}")
     try:
-        with open(tmp, "wb") as f:
+        with open(create_file(tmp), "wb") as f:
             sink = _CrcSink(f)
-            with ipc.new_file(pa.PythonFile(sink, mode="w"), table.schema) as writer:
-                writer.write_table(table)
+            try:
+                with ipc.new_file(pa.PythonFile(sink, mode="w"), table.schema) as writer:
+                    writer.write_table(table)
+            finally:
+                crc = sink.finish()  # also when a write failed: its thread must not wait forever
             f.flush()
             os.fsync(f.fileno())
-        final = layout.ready_shard(ShardName(worker_id, incarnation, seq, table.num_rows, sink.finish()).name)
+        final = layout.ready_shard(ShardName(worker_id, incarnation, seq, table.num_rows, crc).name)
         os.rename(tmp, final)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError):
+            raise named(e, tmp) from None
         raise
-    fsync_dir(layout.shards_ready)
     return final
 
 
@@ -207,17 +237,38 @@ def list_ready(layout: RunLayout) -> list[ShardName]:
     return sorted(parsed, key=lambda s: (s.worker_id, s.incarnation, s.seq))
 
 
-def _read_buffer(path: Path) -> pa.Buffer:
-    """The file's bytes, memory-mapped (no copy); transient errors are retried (``fsio.retry_transient``).
+def _read_file(path: Path) -> tuple[pa.Buffer, int]:
+    """The file's bytes in an Arrow buffer, and their CRC-32, computed piece by piece as they arrive.
 
-    Mapping is safe here because shards are immutable once published and never deleted while a run reads them.
+    ``read()``, not a memory map: an I/O error must be an OSError here, not a SIGBUS later wherever a column is
+    touched.  Anything but a regular file (a directory with a shard's name) is bad content: ShardError.
     """
+    # O_NONBLOCK: a FIFO with a shard's name must be refused, not block the open
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ShardError(
+                path.name, "not a regular file (a directory, a FIFO or a device with a shard's name)"
+            )
+        f = open(fd, "rb", buffering=0)  # noqa: SIM115 (closed by the with below; fd's owner from here)
+    except BaseException:
+        os.close(fd)
+        raise
+    with f:
+        buf = pa.allocate_buffer(st.st_size)
+        view, got, crc = memoryview(buf), 0, 0
+        while got < st.st_size and (n := f.readinto(view[got : got + READ_CHUNK])):
+            crc = zlib.crc32(view[got : got + n], crc)
+            got += n
+    return (buf if got == st.st_size else buf.slice(0, got)), crc
 
-    def read() -> pa.Buffer:
-        with pa.memory_map(str(path)) as src:
-            return src.read_buffer()
 
-    return retry_transient(read)
+def _read_named(path: Path) -> tuple[pa.Buffer, int]:
+    try:
+        return _read_file(path)
+    except OSError as e:
+        raise named(e, path) from None
 
 
 def _values(col: pa.ChunkedArray) -> np.ndarray:
@@ -228,6 +279,10 @@ def _values(col: pa.ChunkedArray) -> np.ndarray:
 
 
 def _value_problem(t: pa.Table, vocab_size: int | None) -> str | None:
+    if (
+        t.num_rows == 0
+    ):  # the checks below read "all of nothing" as null; a writer never publishes an empty shard
+        return "0 rows: an empty shard (a shard writer publishes none)"
     n_resp = pc.list_value_length(t["response_ids"])
     n_lp = pc.list_value_length(t["response_logprobs"])
     if not pc.all(pc.equal(n_resp, n_lp)).as_py():
@@ -254,20 +309,32 @@ def _value_problem(t: pa.Table, vocab_size: int | None) -> str | None:
     return None
 
 
-def validate_bytes(name: str, data: bytes | pa.Buffer, vocab_size: int | None = None) -> pa.Table:
-    """Parse and fully validate a shard's bytes; raise ShardError with the reason."""
+def validate_bytes(
+    name: str,
+    data: bytes | pa.Buffer,
+    vocab_size: int | None = None,
+    run_id: str | None = None,
+    *,
+    crc: int | None = None,
+) -> pa.Table:
+    """Parse and fully validate a shard's bytes; raise ShardError with the reason.
+
+    ``run_id`` (run.json's) refuses a shard written by another run; ``crc`` is the CRC-32 of ``data`` when the
+    reader computed it already.
+    """
     parsed = ShardName.parse(name)
     if parsed is None:
         raise ShardError(name, "not a shard name <worker>.<incarnation>.<seq>.n<rows>.<crc32>.arrow")
-    if zlib.crc32(data) != parsed.crc:
-        raise ShardError(
-            name, f"checksum mismatch (crc32 {zlib.crc32(data):08x}, name says {parsed.crc:08x})"
-        )
+    crc = zlib.crc32(data) if crc is None else crc
+    if crc != parsed.crc:
+        raise ShardError(name, f"checksum mismatch (crc32 {crc:08x}, name says {parsed.crc:08x})")
     try:
         table = ipc.open_file(pa.BufferReader(data)).read_all()
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
         raise ShardError(name, f"not a complete Arrow IPC file: {e}") from None
     problem = schema_problem(table.schema)
+    if problem is None and run_id is not None:
+        problem = _run_id_problem(table.schema, run_id)
     if problem is None and table.num_rows != parsed.rows:
         problem = f"{table.num_rows} rows, name says {parsed.rows}"
     if problem is None:
@@ -277,15 +344,24 @@ def validate_bytes(name: str, data: bytes | pa.Buffer, vocab_size: int | None = 
     return table
 
 
-def read_shard(path: Path, vocab_size: int | None = None) -> pa.Table:
-    """Read and validate one shard file.  Transient I/O errors are retried; a persistent one is a ShardError."""
-    try:
-        data = _read_buffer(path)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            raise
-        raise ShardError(path.name, f"unreadable after retries: {e}") from None
-    return validate_bytes(path.name, data, vocab_size)
+def _run_id_problem(schema: pa.Schema, run_id: str) -> str | None:
+    theirs = (schema.metadata or {}).get(META_RUN_ID)
+    if theirs == run_id.encode():
+        return None
+    if theirs is None:
+        return f"no shardrl.run_id in its metadata; this run's run_id is {run_id} (run.json)"
+    shown = theirs.decode(errors="replace")[:80]
+    return f"belongs to run {shown} (its shardrl.run_id), not to this run {run_id} (run.json run_id)"
+
+
+def read_shard(path: Path, vocab_size: int | None = None, run_id: str | None = None) -> pa.Table:
+    """Read and validate one shard file (of run ``run_id``, when given).
+
+    Transient I/O errors are retried; a persistent one is raised as an OSError naming the file (the shard is not
+    at fault); bad content is a ShardError.
+    """
+    data, crc = retry_transient(lambda: _read_named(path))
+    return validate_bytes(path.name, data, vocab_size, run_id, crc=crc)
 
 
 def quarantine(layout: RunLayout, name: str, reason: str) -> Path:
@@ -298,13 +374,33 @@ def quarantine(layout: RunLayout, name: str, reason: str) -> Path:
     return dest
 
 
-def load_or_quarantine(layout: RunLayout, name: str, vocab_size: int | None = None) -> pa.Table | None:
-    """The validated table of a ready shard, or None after quarantining it (never half-consumed)."""
+def load_or_quarantine(
+    layout: RunLayout, name: str, vocab_size: int | None = None, run_id: str | None = None
+) -> pa.Table | None:
+    """The validated table of a ready shard, or None after quarantining it (never half-consumed).
+
+    ``run_id`` defaults to run.json's (``run_id_of``).  An I/O error is raised (OSError), never quarantined.
+    """
+    if run_id is None:
+        run_id = run_id_of(layout)
     try:
-        return read_shard(layout.ready_shard(name), vocab_size)
+        return read_shard(layout.ready_shard(name), vocab_size, run_id)
     except ShardError as e:
         quarantine(layout, name, e.reason)
         return None
+
+
+_run_ids: dict[Path, str] = {}
+
+
+def run_id_of(layout: RunLayout) -> str | None:
+    """run.json's run_id (read once per run directory), or None where there is no readable run.json."""
+    if layout.root not in _run_ids:
+        meta = read_json_or_none(layout.run_json)
+        if not isinstance(meta, dict) or not isinstance(meta.get("run_id"), str):
+            return None  # not remembered: a run.json that appears later is read then
+        _run_ids[layout.root] = meta["run_id"]
+    return _run_ids[layout.root]
 
 
 def quarantined(layout: RunLayout) -> list[str]:
@@ -315,9 +411,9 @@ def quarantined(layout: RunLayout) -> list[str]:
 
 
 def sample_ids(layout: RunLayout, name: str) -> list[str]:
-    """Just the sample ids of a ready shard (memory-mapped; one column)."""
-    with pa.memory_map(str(layout.ready_shard(name))) as src:
-        return ipc.open_file(src).read_all().column("sample_id").to_pylist()
+    """Just the sample ids of a ready shard (not validated)."""
+    data, _ = retry_transient(lambda: _read_named(layout.ready_shard(name)))
+    return ipc.open_file(pa.BufferReader(data)).read_all().column("sample_id").to_pylist()
 
 
 def ready_sample_count(shards: Iterable[ShardName]) -> int:

@@ -7,8 +7,9 @@ Publishing version V (trainer side, any number of ranks):
 A publisher killed at any point leaves LATEST on the previous complete version.
 
 Reading (worker side): ``latest_version`` reads the small pointer file (cheap to poll on NFS), ``verify_version``
-checks the manifest against the files (sizes always, checksums optionally), so a worker never loads a half-published
-or damaged version.  LATEST and the manifest are ``records.LatestPointer`` / ``records.WeightsManifest``.
+checks the manifest against the files (sizes, then the sha256 of every file, hashed in parallel threads: hashlib
+releases the GIL), so a worker never loads a half-published or damaged version.  LATEST and the manifest are
+``records.LatestPointer`` / ``records.WeightsManifest``.
 
 A version is full HF weights or, with LoRA (``model.lora.rank`` > 0), a peft adapter directory for the unchanged base
 model; its manifest names the base and ``base_model_hash`` of it, which a worker compares with its own base before it
@@ -22,14 +23,16 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fsio import fsync_dir, retry_transient
+from .fsio import chmod_file, fsync_dir, make_dirs, naming, retry_transient
 from .layout import RunLayout
 from .records import LatestPointer, ManifestFile, RecordError, WeightsManifest, read_record, write_record
 
 MANIFEST = "manifest.json"
+HASH_THREADS = 8  # sha256 runs at ~1-2 GB/s per core: a few threads keep up with a parallel file system
 
 
 class WeightsError(RuntimeError):
@@ -66,16 +69,26 @@ def base_model_hash(model_dir: Path) -> str:
 def staging_dir(layout: RunLayout, version: int) -> Path:
     """Where the ranks write version ``version`` before it is committed (deterministic: every rank agrees)."""
     d = layout.weights / f".staging-v{version:06d}"
-    d.mkdir(parents=True, exist_ok=True)
+    make_dirs(d)
     return d
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    with naming(path), open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
+
+
+def sha256_files(paths: list[Path]) -> list[str]:
+    """``sha256_file`` of each path, in parallel threads (one file alone is hashed in this thread)."""
+    if len(paths) <= 1:
+        return [sha256_file(p) for p in paths]
+    with ThreadPoolExecutor(min(len(paths), HASH_THREADS, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
 
 
 def commit_version(
@@ -97,13 +110,19 @@ def commit_version(
     ``kind``, ``adapter``, ``base_model`` and ``base_sha256`` go into the manifest (``records.WeightsManifest``).
     """
     known = file_sha256 or {}
-    files = {}
-    for p in sorted(staging.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            rel = str(p.relative_to(staging))
-            with open(p, "rb+") as f:  # the writer may have been another process: make its bytes durable
-                os.fsync(f.fileno())
-            files[rel] = ManifestFile(size=p.stat().st_size, sha256=known.get(rel) or sha256_file(p))
+    paths = [p for p in sorted(staging.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    for p in paths:
+        with naming(p), open(p, "rb+") as f:
+            # readable under the run's mode whoever wrote it (some libraries write 0600), and durable
+            chmod_file(f.fileno())
+            os.fsync(f.fileno())
+    rels = [str(p.relative_to(staging)) for p in paths]
+    unknown = [p for p, rel in zip(paths, rels, strict=True) if not known.get(rel)]
+    computed = dict(zip(unknown, sha256_files(unknown), strict=True))
+    files = {
+        rel: ManifestFile(size=p.stat().st_size, sha256=known.get(rel) or computed[p])
+        for p, rel in zip(paths, rels, strict=True)
+    }
     if not any(name.endswith(".safetensors") for name in files):
         raise WeightsError(f"{staging}: no *.safetensors file to publish")
     if adapter is not None and not (staging / adapter / "adapter_config.json").is_file():
@@ -151,8 +170,12 @@ def latest_version(layout: RunLayout) -> int:
         return 0
 
 
-def verify_version(layout: RunLayout, version: int, *, checksums: bool = False) -> WeightVersion:
-    """Check version ``version`` against its manifest; raise WeightsError naming what is wrong."""
+def verify_version(layout: RunLayout, version: int, *, checksums: bool = True) -> WeightVersion:
+    """Check version ``version`` against its manifest; raise WeightsError naming what is wrong.
+
+    Sizes first (cheap, and they catch a version still being copied), then the sha256 of every file
+    (``checksums=False`` skips those: only for a caller that hashes the files itself).
+    """
     path = layout.weight_version(version)
     try:
         manifest = read_manifest(path)
@@ -162,17 +185,37 @@ def verify_version(layout: RunLayout, version: int, *, checksums: bool = False) 
         raise WeightsError(str(e)) from None
     if manifest.version != version:
         raise WeightsError(f"{path / MANIFEST}: field version is {manifest.version}, expected {version}")
-    for rel, meta in manifest.files.items():
+    seen = []
+    for rel, meta in sorted(manifest.files.items()):
         f = path / rel
         try:
-            size = retry_transient(f.stat).st_size
+            st = retry_transient(f.stat)
         except FileNotFoundError:
             raise WeightsError(f"{f}: listed in the manifest but missing") from None
-        if size != meta.size:
-            raise WeightsError(f"{f}: size {size} != manifest size {meta.size}")
-        if checksums and sha256_file(f) != meta.sha256:
-            raise WeightsError(f"{f}: sha256 does not match the manifest")
+        if st.st_size != meta.size:
+            raise WeightsError(f"{f}: size {st.st_size} != manifest size {meta.size}")
+        seen.append((rel, st.st_ino, st.st_size, st.st_mtime_ns))
+    if checksums:
+        _check_sha256(path, manifest, tuple(seen))
     return _weight_version(path, manifest)
+
+
+_hash_failures: dict[tuple, str] = {}
+
+
+def _check_sha256(path: Path, manifest: WeightsManifest, seen: tuple) -> None:
+    """Hash every file of the version; a mismatch is remembered with the files' identity and times, so that a
+    worker polling a damaged LATEST every second does not hash it again until something changes."""
+    key = (path, manifest.created_at, seen)
+    if key in _hash_failures:
+        raise WeightsError(_hash_failures[key])
+    rels = [rel for rel, *_ in seen]
+    for rel, digest in zip(rels, sha256_files([path / rel for rel in rels]), strict=True):
+        if digest != manifest.files[rel].sha256:
+            if len(_hash_failures) > 64:
+                _hash_failures.clear()
+            _hash_failures[key] = f"{path / rel}: sha256 does not match the manifest (damaged or replaced)"
+            raise WeightsError(_hash_failures[key])
 
 
 def _weight_version(path: Path, manifest: WeightsManifest) -> WeightVersion:
@@ -182,7 +225,7 @@ def _weight_version(path: Path, manifest: WeightsManifest) -> WeightVersion:
     )
 
 
-def read_latest(layout: RunLayout, *, checksums: bool = False) -> WeightVersion | None:
+def read_latest(layout: RunLayout, *, checksums: bool = True) -> WeightVersion | None:
     """The newest complete, verified version, or None when only the base model exists."""
     v = latest_version(layout)
     return verify_version(layout, v, checksums=checksums) if v > 0 else None

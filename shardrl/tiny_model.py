@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, cast
 
-from buffer.fsio import fsync_dir, tmp_name
+from buffer.fsio import chmod_file, fsync_dir, modes, tmp_name
 
 # Shape: vLLM's CPU attention kernel needs head_dim >= 32, so 4 heads x 32 on a hidden size of 128.
 HIDDEN = 128
@@ -183,9 +183,11 @@ def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0, init_std: 
         for f in tmp.iterdir():
             fd = os.open(f, os.O_RDONLY)
             try:
+                chmod_file(fd)  # transformers writes model.safetensors 0600: unreadable to the run's group
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        os.chmod(tmp, modes().dir)
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above); rename cannot replace a directory on every platform

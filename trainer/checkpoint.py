@@ -8,8 +8,9 @@
   head) and their optimizer state, not the frozen base, which is reloaded from the base model.
 - ``trainer_state.json`` (rank 0): step, world size, LR-scheduler states, the trainer's extra state (next weight
   version, counters...) and every rank's RNG states.  JSON, so resuming unpickles nothing but DCP's own files.
-- ``COMMITTED`` (rank 0, written last, after a barrier): the commit record.  A directory without it is an
-  interrupted save; it is ignored and deleted once a newer checkpoint is complete.
+- ``COMMITTED`` (rank 0, written last, after a barrier): the commit record, with the sha256 of DCP's ``.metadata``.
+  A directory without it is an interrupted save; it is ignored and deleted once a newer checkpoint is complete.
+  Loading unpickles ``.metadata`` (DCP's format), so every rank checks that digest before DCP reads it.
 
 All functions that take a model are collective: call them on every rank.
 """
@@ -32,9 +33,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from buffer.fsio import read_json, read_json_or_none, write_json_atomic
 from buffer.layout import RunLayout
+from buffer.weights import sha256_file
 from trainer import dist as tdist
 
 TRAINER_STATE = "trainer_state.json"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's pickled plan of the checkpoint
 
 Models = nn.Module | Mapping[str, nn.Module]
 Optimizers = torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer]
@@ -236,7 +239,12 @@ def save_checkpoint(
     _on_main(lambda: write_json_atomic(path / TRAINER_STATE, state))
 
     def commit() -> None:
-        record = {"step": step, "world_size": tdist.world(), "time": time.time()}
+        record = {
+            "step": step,
+            "world_size": tdist.world(),
+            "time": time.time(),
+            "metadata_sha256": sha256_file(path / DCP_METADATA),
+        }
         write_json_atomic(layout.checkpoint_commit(step), record)
         prune_checkpoints(layout, keep)
 
@@ -256,6 +264,25 @@ def _on_main(fn: Callable[[], Any]) -> None:
     error = tdist.broadcast_object(error)
     if error is not None:
         raise CheckpointError(error)
+
+
+def verify_metadata(layout: RunLayout, step: int) -> None:
+    """Refuse to let DCP unpickle a ``.metadata`` that is not the one saved (its sha256 in COMMITTED)."""
+    meta = layout.checkpoint(step) / DCP_METADATA
+    record = read_json_or_none(layout.checkpoint_commit(step))
+    expected = record.get("metadata_sha256") if isinstance(record, dict) else None
+    if not isinstance(expected, str):
+        raise CheckpointError(
+            f"{layout.checkpoint_commit(step)}: no metadata_sha256; loading would unpickle {meta} unchecked"
+        )
+    try:
+        actual = sha256_file(meta)
+    except FileNotFoundError:
+        raise CheckpointError(f"{meta}: missing from a committed checkpoint") from None
+    if actual != expected:
+        raise CheckpointError(
+            f"{meta}: sha256 {actual[:12]}... is not COMMITTED's metadata_sha256 {expected[:12]}...; not unpickled"
+        )
 
 
 def load_checkpoint(
@@ -282,6 +309,7 @@ def load_checkpoint(
     parts = _parts(model, optimizer, scheduler)
     if sorted(parts) != state["parts"]:
         raise CheckpointError(f"{path}: holds parts {state['parts']}, but resuming {sorted(parts)}")
+    verify_metadata(layout, step)
     dcp.load({k: _ModelAndOptimizer(m, o) for k, (m, o, _) in parts.items()}, checkpoint_id=str(path))
     for k, (_, _, sched) in parts.items():
         if sched is not None:

@@ -10,8 +10,8 @@ is gone.
 The kernel retries a few calls once by itself (an open that got ESTALE, a failed read-ahead, a dentry whose
 revalidation failed), so a fault the application sees once is configured to fire twice (``ONE_VISIBLE``);
 ``test_fault_reaches_the_application`` checks that calibration, so that no test here passes because its fault
-never reached the code under test.  Reads that can fail with EIO run in a child process: shards are memory-mapped,
-and a failed page-in is SIGBUS, which would kill the test process.
+never reached the code under test.  Shard reads that fail with EIO run in a child process: were a shard ever
+memory-mapped again, a failed page-in would be SIGBUS, which would kill the test process instead of failing it.
 """
 
 from __future__ import annotations
@@ -185,10 +185,6 @@ def test_shard_publish_enospc_publishes_nothing_keeps_samples_and_resumes(
     assert table.num_rows == 4 and len(set(table.column("sample_id").to_pylist())) == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffer/shards.py publish_shard: a failed publish leaves its _CrcSink thread blocked forever",
-)
 def test_shard_publish_failures_leak_no_threads(ffs: FaultFS, layout: RunLayout) -> None:
     ffs.set({"op": "write", "errno": "EIO", "path": under(layout, "shards/tmp/*")})
     w = writer_with(layout)
@@ -199,10 +195,6 @@ def test_shard_publish_failures_leak_no_threads(ffs: FaultFS, layout: RunLayout)
     assert threading.active_count() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffer/shards.py publish_shard: a transient EIO on write is raised at once, not retried",
-)
 def test_shard_publish_retries_a_transient_write_error(ffs: FaultFS, layout: RunLayout) -> None:
     ffs.set({"op": "write", "errno": "EIO", "path": under(layout, "shards/tmp/*"), "count": 1})
     w = writer_with(layout)
@@ -241,10 +233,6 @@ def test_shard_read_survives_one_eio(ffs: FaultFS, layout: RunLayout) -> None:
     assert shards.quarantined(layout) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffer/shards.py _read_buffer memory-maps the shard: a persistent read error is SIGBUS, not an error",
-)
 def test_shard_read_persistent_eio_is_an_error_not_a_crash(ffs: FaultFS, layout: RunLayout) -> None:
     path = writer_with(layout).flush()
     assert path is not None
@@ -256,10 +244,6 @@ def test_shard_read_persistent_eio_is_an_error_not_a_crash(ffs: FaultFS, layout:
     assert shards.load_or_quarantine(layout, path.name) is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffer/shards.py read_shard/load_or_quarantine: an I/O error quarantines a good shard",
-)
 def test_shard_unreadable_for_a_while_is_not_quarantined(ffs: FaultFS, layout: RunLayout) -> None:
     path = writer_with(layout).flush()
     assert path is not None
@@ -324,10 +308,6 @@ def test_plan_read_persistent_error_is_raised_not_skipped(ffs: FaultFS, layout: 
     assert e.value.errno == errno.EIO
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffer/plans.py PlanLog.claim: a plan hidden by the lookup cache is fenced out by the next epoch",
-)
 def test_claim_does_not_fence_out_a_plan_it_cannot_see_yet(ffs: FaultFS, layout: RunLayout) -> None:
     old = plans.PlanLog.claim(layout)
     old.write_plan(1, ["s"], ["a"])
@@ -461,10 +441,6 @@ def test_control_command_applied_once_through_transient_errors(
     assert ffs.fired()[0] >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffer/control.py ControlWatcher.poll: an unreadable control.json is ignored without a word",
-)
 def test_control_persistently_unreadable_says_so(ffs: FaultFS, layout: RunLayout) -> None:
     control_layout(layout)
     write_command(layout, "add", 2)
@@ -507,11 +483,6 @@ def test_control_generation_visible_late_is_applied_once_across_supervisors(
     assert ffs.fired()[0] >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffer/control.py ControlWatcher.poll: a stale stat before the read gives one echo two keys; "
-    "applied twice",
-)
 def test_control_echo_with_stale_attributes_is_applied_once(ffs: FaultFS, layout: RunLayout) -> None:
     control_layout(layout)
     w = watcher(layout, settle_s=0.5)
@@ -586,18 +557,13 @@ def _apply_command(layout: RunLayout) -> None:
     watcher(layout).poll()
 
 
-_TMP_LEAK = pytest.mark.xfail(
-    strict=True, reason="buffer/fsio.py _write_tmp: the temporary stays behind when its write or fsync fails"
-)
-
-
 @pytest.mark.parametrize(
     "protocol, directory, pattern",
     [
         pytest.param(_publish_shard, "shards/tmp", "shards/tmp/*", id="shard"),
-        pytest.param(_write_plan, "plans", "plans/*", id="plan", marks=_TMP_LEAK),
-        pytest.param(_write_latest, "weights", "weights/.tmp.LATEST*", id="latest", marks=_TMP_LEAK),
-        pytest.param(_apply_command, "control", "control/.tmp.*", id="control", marks=_TMP_LEAK),
+        pytest.param(_write_plan, "plans", "plans/*", id="plan"),
+        pytest.param(_write_latest, "weights", "weights/.tmp.LATEST*", id="latest"),
+        pytest.param(_apply_command, "control", "control/.tmp.*", id="control"),
     ],
 )
 def test_enospc_leaves_no_temporaries(
@@ -611,7 +577,6 @@ def test_enospc_leaves_no_temporaries(
     assert temporaries(layout.root / directory) == []
 
 
-@_TMP_LEAK
 def test_lease_enospc_leaves_no_temporaries(ffs: FaultFS, layout: RunLayout) -> None:
     a = Leases(layout, "sup-a", timeout_s=60)
     assert a.try_acquire(0)
@@ -627,21 +592,14 @@ def _renew_lease(layout: RunLayout) -> None:
         a.renew(0)
 
 
-_NAMELESS = pytest.mark.xfail(
-    strict=True,
-    reason="buffer/fsio.py _write_tmp, buffer/shards.py publish_shard: the OSError of a failed write or fsync "
-    "does not name the file",
-)
-
-
 @pytest.mark.parametrize(
     "protocol, pattern, name",
     [
-        pytest.param(_publish_shard, "shards/tmp/*", "shards/tmp", id="shard", marks=_NAMELESS),
-        pytest.param(_write_plan, "plans/*", "step-00000001", id="plan", marks=_NAMELESS),
-        pytest.param(_write_latest, "weights/.tmp.LATEST*", "LATEST", id="latest", marks=_NAMELESS),
-        pytest.param(_apply_command, "control/.tmp.*", "gen-00000001", id="control", marks=_NAMELESS),
-        pytest.param(_renew_lease, "leases/*/.tmp.*", "slot-0000", id="lease", marks=_NAMELESS),
+        pytest.param(_publish_shard, "shards/tmp/*", "shards/tmp", id="shard"),
+        pytest.param(_write_plan, "plans/.tmp.step-*", "step-00000001", id="plan"),
+        pytest.param(_write_latest, "weights/.tmp.LATEST*", "LATEST", id="latest"),
+        pytest.param(_apply_command, "control/.tmp.*", "control/gen-", id="control"),
+        pytest.param(_renew_lease, "leases/*/.tmp.*", "slot-0000", id="lease"),
     ],
 )
 def test_write_errors_name_the_file(
@@ -670,21 +628,12 @@ def _verify_version(layout: RunLayout) -> None:
     weights.verify_version(layout, 1)
 
 
-_NAMELESS_READ = pytest.mark.xfail(
-    strict=True,
-    reason="buffer/records.py read_record (via retry_transient(path.read_bytes)): the OSError of a failed read "
-    "does not name the file",
-)
-
-
 @pytest.mark.parametrize(
     "protocol, pattern, name",
     [
-        pytest.param(_read_plans, "plans/step-*", "step-00000001", id="plan", marks=_NAMELESS_READ),
-        pytest.param(_read_latest, "weights/LATEST", "LATEST", id="latest", marks=_NAMELESS_READ),
-        pytest.param(
-            _verify_version, "weights/v*/manifest.json", "manifest.json", id="manifest", marks=_NAMELESS_READ
-        ),
+        pytest.param(_read_plans, "plans/step-*", "step-00000001", id="plan"),
+        pytest.param(_read_latest, "weights/LATEST", "LATEST", id="latest"),
+        pytest.param(_verify_version, "weights/v*/manifest.json", "manifest.json", id="manifest"),
     ],
 )
 def test_read_errors_name_the_file(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import threading
+import zlib
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
@@ -108,18 +112,105 @@ def test_schema_mismatch_is_rejected(tmp_path):
 def test_transient_enoent_is_retried(tmp_path, monkeypatch):
     layout = make_layout(tmp_path)
     path = _write(layout, [sample(0)])
-    real = shards.pa.memory_map
+    real = shards._read_file
     calls = {"n": 0}
 
-    def flaky(p, *a, **k):
+    def flaky(p):
         calls["n"] += 1
         if calls["n"] == 1:
             raise FileNotFoundError(2, "No such file (just renamed)")
-        return real(p, *a, **k)
+        return real(p)
 
-    monkeypatch.setattr(shards.pa, "memory_map", flaky)
+    monkeypatch.setattr(shards, "_read_file", flaky)
     assert shards.read_shard(path).num_rows == 1
     assert calls["n"] == 2
+
+
+def test_a_persistent_read_error_is_raised_naming_the_shard_and_never_quarantines(tmp_path, monkeypatch):
+    layout = make_layout(tmp_path)
+    path = _write(layout, [sample(0)])
+
+    def failing(p):
+        raise OSError(errno.EIO, "Input/output error")  # as read() reports it: no file name
+
+    monkeypatch.setattr(shards, "_read_file", failing)
+    monkeypatch.setattr(shards.time, "sleep", lambda s: None)
+    with pytest.raises(OSError) as e:
+        shards.load_or_quarantine(layout, path.name)
+    assert e.value.errno == errno.EIO and path.name in str(e.value)
+    assert path.exists() and shards.quarantined(layout) == []
+    monkeypatch.undo()
+    assert shards.load_or_quarantine(layout, path.name).num_rows == 1
+
+
+def test_read_checksum_matches_a_whole_file_checksum_across_read_chunks(tmp_path, monkeypatch):
+    layout = make_layout(tmp_path)
+    path = _write(layout, [sample(i, n_resp=50) for i in range(40)])
+    monkeypatch.setattr(shards, "READ_CHUNK", 1000)  # many pieces, the last one short
+    data, crc = shards._read_file(path)
+    assert data.to_pybytes() == path.read_bytes() and crc == zlib.crc32(path.read_bytes())
+    assert shards.read_shard(path).num_rows == 40
+
+
+def test_another_runs_shard_is_quarantined_naming_both_run_ids(tmp_path):
+    layout = make_layout(tmp_path)
+    mine = _write(layout, [sample(0)])  # run id "run-1"
+    assert shards.read_shard(mine, run_id="run-1").num_rows == 1
+    with pytest.raises(shards.ShardError, match=r"belongs to run run-1.*other-run"):
+        shards.read_shard(mine, run_id="other-run")
+    assert shards.load_or_quarantine(layout, mine.name, run_id="run-2") is None
+    reason = json.loads(layout.quarantine_reason(mine.name).read_text())["reason"]
+    assert "run-1" in reason and "run-2" in reason
+
+
+def test_load_or_quarantine_checks_run_json_by_default(tmp_path):
+    layout = make_layout(tmp_path)
+    ours, theirs = _write(layout, [sample(0)]), _write(layout, [sample(1)], worker="w1")
+    layout.run_json.write_text(json.dumps({"run_id": "run-1", "schema_version": SCHEMA_VERSION}))
+    assert shards.load_or_quarantine(layout, ours.name).num_rows == 1
+    # the same bytes under another run id: rewrite the metadata, keep the name consistent with the new CRC
+    table = ipc.open_file(str(theirs)).read_all()
+    table = table.replace_schema_metadata({**table.schema.metadata, b"shardrl.run_id": b"someone-else"})
+    theirs.unlink()
+    moved = shards.publish_shard(layout, table, "w1", "inc", 0)
+    assert shards.load_or_quarantine(layout, moved.name) is None
+    assert shards.quarantined(layout) == [moved.name]
+
+
+def test_zero_row_shard_is_quarantined_saying_so(tmp_path):
+    layout = make_layout(tmp_path)
+    empty = shards.build_table([], "run-1", "w0", 0)
+    path = shards.publish_shard(layout, empty, "w0", "abc", 0)
+    with pytest.raises(shards.ShardError, match="0 rows"):
+        shards.read_shard(path)
+
+
+def test_a_fifo_with_a_shard_name_is_quarantined_without_blocking(tmp_path):
+    layout = make_layout(tmp_path)
+    name = shards.ShardName("w", "fifo", 0, 1, 0).name
+    os.mkfifo(layout.ready_shard(name))
+    assert shards.load_or_quarantine(layout, name) is None
+    reason = json.loads(layout.quarantine_reason(name).read_text())["reason"]
+    assert "not a regular file" in reason
+
+
+def test_a_failed_publish_leaves_no_temporary_and_no_thread(tmp_path, monkeypatch):
+    layout = make_layout(tmp_path)
+    w = shards.ShardWriter(layout, "run-1", "w0")
+    w.add(sample(0))
+    real_fsync = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards.os, "fsync", full)
+    before = threading.active_count()
+    with pytest.raises(OSError) as e:
+        w.flush()
+    assert e.value.errno == errno.ENOSPC and "shards/tmp" in str(e.value)
+    assert threading.active_count() == before and list(layout.shards_tmp.iterdir()) == []
+    monkeypatch.setattr(shards.os, "fsync", real_fsync)
+    assert w.pending == 1 and w.flush() is not None
 
 
 def test_listing_counts_rows_from_names(tmp_path):

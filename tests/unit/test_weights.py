@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
 
 import pytest
 
-from buffer import heartbeats, weights
+from buffer import fsio, heartbeats, weights
 from buffer.records import RecordError
 
 from .buffer_helpers import make_layout
@@ -34,9 +37,9 @@ def test_damaged_version_fails_verification(tmp_path):
     layout = make_layout(tmp_path)
     v = _publish(layout, 1)
     (v.path / "model.safetensors").write_bytes(b"y" * 100)  # same size, other bytes
-    weights.verify_version(layout, 1)  # sizes still match
-    with pytest.raises(weights.WeightsError, match="sha256"):
-        weights.verify_version(layout, 1, checksums=True)
+    weights.verify_version(layout, 1, checksums=False)  # sizes still match
+    with pytest.raises(weights.WeightsError, match=r"model\.safetensors: sha256"):
+        weights.verify_version(layout, 1)  # the worker's check: checksums by default
     (v.path / "model.safetensors").write_bytes(b"y" * 10)
     with pytest.raises(weights.WeightsError, match="size"):
         weights.verify_version(layout, 1)
@@ -80,3 +83,40 @@ def test_latest_and_manifest_are_typed_records(tmp_path):
     (v.path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(weights.WeightsError, match=r"manifest.json: field files.config.json.sha256: missing"):
         weights.verify_version(layout, 1)  # a worker skips the version instead of crashing
+
+
+def test_parallel_hashes_are_the_files_sha256(tmp_path):
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(os.urandom(100_000 + i))
+    assert weights.sha256_files(paths) == [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    assert weights.sha256_file(paths[0], chunk=999) == hashlib.sha256(paths[0].read_bytes()).hexdigest()
+
+
+def test_a_damaged_file_is_refused_until_it_changes_and_is_not_rehashed_meanwhile(tmp_path, monkeypatch):
+    layout = make_layout(tmp_path)
+    v = _publish(layout, 1, os.urandom(100))
+    good = (v.path / "model.safetensors").read_bytes()
+    (v.path / "model.safetensors").write_bytes(bytes(100))
+    with pytest.raises(weights.WeightsError, match="sha256"):
+        weights.verify_version(layout, 1)
+    hashed = []
+    monkeypatch.setattr(weights, "sha256_file", lambda p, chunk=0: hashed.append(p) or "0" * 64)
+    with pytest.raises(weights.WeightsError, match="sha256"):
+        weights.verify_version(layout, 1)  # a worker polling every second: nothing changed, nothing hashed
+    assert hashed == []
+    monkeypatch.undo()
+    (v.path / "model.safetensors").write_bytes(good)  # repaired: a new mtime, so it is hashed again
+    os.utime(v.path / "model.safetensors", ns=(1, 1))
+    assert weights.verify_version(layout, 1).version == 1
+
+
+def test_commit_gives_every_file_the_run_file_mode(tmp_path):
+    layout = make_layout(tmp_path)
+    st = weights.staging_dir(layout, 1)
+    (st / "model.safetensors").write_bytes(b"x" * 10)
+    (st / "model.safetensors").chmod(0o600)  # as transformers' save_pretrained leaves it
+    (st / "config.json").write_text("{}")
+    v = weights.commit_version(layout, 1, st, step=1, dtype="float32")
+    assert stat.S_IMODE((v.path / "model.safetensors").stat().st_mode) == fsio.modes().file
