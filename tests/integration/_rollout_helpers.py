@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,7 +15,10 @@ from buffer.config import ShardRLConfig
 from buffer.run import Run
 from shardrl.runs import init_run
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._common import ROOT, wait_for
+
+__all__ = ["ROOT", "wait_for"]
+
 T = TypeVar("T")
 
 
@@ -32,17 +33,6 @@ def make_run(root: Path, model_dir: Path, **sections: dict[str, Any]) -> Run:
                 sub[k] = dict(v)
         data.setdefault(name, {}).update(sub)
     return init_run(root, ShardRLConfig.model_validate(data))
-
-
-def wait_for(what: str, fn: Callable[[], T | None], timeout: float, every: float = 0.2) -> T:
-    end = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
 
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,10 @@ from buffer.config import apply_overrides, validate
 from buffer.layout import RunLayout
 from buffer.run import open_run
 from shardrl.runs import init_run
+
+from ._common import wait_for
+
+__all__ = ["wait_for"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,14 +135,6 @@ def metrics(layout: RunLayout) -> list[dict[str, Any]]:
         except ValueError:
             continue
     return out
-
-
-def wait_for(cond: Any, timeout_s: float, what: str, poll_s: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(poll_s)
 
 
 def trainer_state(layout: RunLayout, step: int) -> dict[str, Any]:

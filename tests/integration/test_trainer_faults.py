@@ -137,13 +137,13 @@ def test_stale_samples_are_dropped_while_waiting_and_the_backlog_falls(
     proc = start(command(1, *trainer_args(layout, "--max-steps", 1)), log)
     try:
         wait_for(
+            f"the stale samples dropped\n{tail(log)}",
             lambda: backlog(layout).dropped_samples == 3 * STEP,
             120,
-            f"the stale samples dropped\n{tail(log)}",
         )
         assert backlog(layout).unconsumed_samples == 0 <= bound  # workers resume
         wait_for(
-            lambda: "of 16 samples" in (_status(layout).get("waiting") or ""), 60, "the wait in the status"
+            "the wait in the status", lambda: "of 16 samples" in (_status(layout).get("waiting") or ""), 60
         )
         assert "48 stale dropped" in _status(layout)["waiting"]
         fresh = _shard(layout, "new", version=3)
@@ -241,7 +241,7 @@ def test_enospc_while_publishing_is_reported_cleaned_and_retried(
                 and not staging
             )
 
-        wait_for(reported_and_clean, 180, f"the failed publish in the status\n{tail(log)}")
+        wait_for(f"the failed publish in the status\n{tail(log)}", reported_and_clean, 180)
         assert latest_version(layout) == 0
         ffs.clear()  # space is back
         assert proc.wait(timeout=180) == 0, tail(log)
@@ -263,8 +263,8 @@ def test_enospc_while_checkpointing_keeps_training_and_saves_once_space_is_back(
     log = tmp_path / "t.log"
     proc = start(command(1, *trainer_args(layout, "--max-steps", 3)), log)
     try:
-        wait_for(lambda: len(metrics(layout)) == 2, 180, f"two steps trained\n{tail(log)}")
-        wait_for(lambda: _status(layout).get("waiting") is not None, 60, "the wait for step 3")
+        wait_for(f"two steps trained\n{tail(log)}", lambda: len(metrics(layout)) == 2, 180)
+        wait_for("the wait for step 3", lambda: _status(layout).get("waiting") is not None, 60)
         status = _status(layout)
         assert (
             "checkpoint of step 2 failed" in status["last_error"] and "No space left" in status["last_error"]

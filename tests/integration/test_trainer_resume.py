@@ -78,7 +78,7 @@ class Harness:
             self.poll()
             return bool(cond())
 
-        wait_for(check, timeout_s, what, poll_s=0.1)
+        wait_for(what, check, timeout_s, every=0.1)
 
 
 def _records_now(layout: RunLayout) -> int:
@@ -204,7 +204,7 @@ def test_a_second_incarnation_fences_out_the_first(tmp_path: Path, tiny_model_ti
     zombie = start(command(2, *trainer_args(layout)), zombie_log)
     try:
         wait_for(
-            lambda: _records_now(layout) >= 1, 120, f"the first incarnation to train\n{tail(zombie_log)}"
+            f"the first incarnation to train\n{tail(zombie_log)}", lambda: _records_now(layout) >= 1, 120
         )
         run_ok(command(1, *trainer_args(layout, "--max-steps", 2)), tmp_path / "second.log")
         rc = zombie.wait(timeout=60)
