@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import stat
+import subprocess
+import time
 
 import pytest
 
@@ -120,3 +122,44 @@ def test_commit_gives_every_file_the_run_file_mode(tmp_path):
     (st / "config.json").write_text("{}")
     v = weights.commit_version(layout, 1, st, step=1, dtype="float32")
     assert stat.S_IMODE((v.path / "model.safetensors").stat().st_mode) == fsio.modes().file
+
+
+def test_fsck_finds_empty_temporaries_anywhere_and_abandoned_staging(tmp_path):
+    from buffer.config import ShardRLConfig
+    from buffer.fsck import fsck
+
+    layout = make_layout(tmp_path)
+    _publish(layout, 1)
+    weights.staging_dir(layout, 1)  # a publisher that died after the rename: its version is published
+    old = weights.staging_dir(layout, 2)
+    (old / "model.safetensors").write_bytes(b"half")
+    for p in (old / "model.safetensors", old):
+        os.utime(p, (time.time() - 7200,) * 2)  # nothing written for two hours
+    (weights.staging_dir(layout, 3) / "model.safetensors").write_bytes(b"being written")
+    slot = layout.lease_dir(0)
+    slot.mkdir(parents=True)
+    empty = fsio.tmp_name(slot / "00000001.json")  # ours, alive: only its emptiness says the write failed
+    empty.write_bytes(b"")
+    os.utime(empty, (time.time() - 120,) * 2)
+    busy = fsio.tmp_name(layout.plans / "step-00000001.e1.json")
+    busy.write_bytes(b"{")  # a writer at work
+    dead = _dead_pid()
+    build = layout.root / f".tmp.base_model.{fsio.HOST}.{dead}.abcd1234"
+    (build / "sub").mkdir(parents=True)  # a tiny-model build cut short: a directory
+    cfg = ShardRLConfig.model_validate({"reward": {"function": "max_digit"}})
+
+    rep = fsck(layout, cfg)
+    text = "\n".join(rep.problems)
+    assert f"{empty.relative_to(layout.root)} (0 bytes" in text and build.name in text
+    assert ".staging-v000001" in text and ".staging-v000002" in text
+    assert ".staging-v000003" not in text and busy.name not in text
+    fsck(layout, cfg, repair=True)
+    assert not empty.exists() and not build.exists() and busy.exists()
+    assert sorted(p.name for p in layout.weights.glob(".staging-v*")) == [".staging-v000003"]
+    assert fsck(layout, cfg).ok
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
