@@ -140,7 +140,9 @@ def export_shards(run_dir: Path, out: Path) -> ShardExport:
             report.already += 1
             continue
         try:
-            table = read_shard(run.layout.ready_shard(shard.name), run.config.model.vocab_size)
+            table = read_shard(
+                run.layout.ready_shard(shard.name), run.config.model.vocab_size, run_id=run.run_id
+            )
         except ShardError as e:
             report.bad.append(str(e))
             continue

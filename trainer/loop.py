@@ -96,7 +96,8 @@ class StopFlag:
 
 def claim(run: Run) -> tuple[PlanLog | None, int]:
     """Rank 0 claims the next trainer epoch (fencing out older incarnations) before anything is loaded."""
-    plan_log = PlanLog.claim(run.layout) if tdist.is_main() else None
+    resumed = ckpt.latest_complete_checkpoint(run.layout) or 0  # its plans stay valid even if not yet listed
+    plan_log = PlanLog.claim(run.layout, resumed_step=resumed) if tdist.is_main() else None
     return plan_log, tdist.broadcast_object(plan_log.epoch if plan_log is not None else 0)
 
 

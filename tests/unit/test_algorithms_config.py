@@ -103,6 +103,8 @@ def test_rules_between_algorithm_keys() -> None:
     assert "off_policy" in refused({"policy_loss": "gspo", "off_policy": "tis"})
     ok = cfg({"kl_coef": 0.1, "kl_target": 0.05, "kl_horizon": 256}, trainer={"samples_per_step": 256})
     assert ok.algorithm.kl_target == 0.05
+    msg = refused({"kl_coef": 0.1, "kl_target": 0.05, "kl_horizon": 100}, trainer={"samples_per_step": 256})
+    assert "algorithm.kl_horizon" in msg and "trainer.samples_per_step" in msg
 
 
 @pytest.mark.parametrize(
