@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer.config import ShardRLConfig
-from buffer.control import ControlState, ControlWatcher, Leases, renew_interval_s
+from buffer.control import ControlState, ControlWatcher, Leases, all_leases, renew_interval_s
 from buffer.fsio import HOST, read_json_or_none
 from buffer.heartbeats import StatusWriter, supervisor_status, worker_status
 from buffer.layout import RunLayout
@@ -298,6 +298,30 @@ class Supervisor:
                 self.failed.pop(slot, None)
                 self._spawn(s)
 
+    def _give_back_abandoned(self) -> None:
+        """Release the stale leases of slots no longer wanted.
+
+        A supervisor killed while holding slot K >= desired leaves a lease nobody would take over (only wanted slots
+        are acquired); any live supervisor takes it over once it has stood still for lease_timeout_s, through the
+        same exclusive generation create as a takeover, and gives it back at once.
+        """
+        try:
+            held = all_leases(self.layout)
+        except OSError as e:
+            self._trouble("reading the leases", e)
+            return
+        for slot, rec in held.items():
+            if slot < self.desired or slot in self.slots or rec.get("released"):
+                continue
+            try:
+                if self.leases.try_acquire(slot):
+                    self.leases.release(slot)
+                    log.warning(
+                        "supervisor %s: gave back abandoned slot %d of %s", self.id, slot, rec.get("holder")
+                    )
+            except OSError as e:
+                self._trouble(f"lease of slot {slot}", e)
+
     # ------------------------------------------------------------------ worker processes
 
     def _spawn(self, s: Slot) -> None:
@@ -536,6 +560,7 @@ class Supervisor:
                     self._poll_control()
                     self._scale_down()
                     self._acquire()
+                    self._give_back_abandoned()
                     next_control = now + r.control_poll_s
                 self._reap()
                 if self.stopping and not self.slots:

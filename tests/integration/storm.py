@@ -49,10 +49,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO_TOML = ROOT / "shardrl" / "configs" / "demo.toml"
 NODES = ("node-a", "node-b")
 GROUP = 4  # samples per prompt (rollout.sampling.n): every group in the run must be whole
-# Two slots, both wanted at the end: a supervisor SIGKILLed while it holds a slot that is no longer wanted leaves
-# that lease held for good (test_storm.py, test_a_dead_supervisors_lease_above_the_desired_count_is_given_back), and
-# fsck reports it forever; with every slot wanted at the end, a live supervisor takes such a lease over instead.
-MAX_WORKERS = 2
+# Three slots for two supervisors of one slot each: a supervisor SIGKILLed while holding a slot no longer wanted
+# leaves a lease that a live supervisor must give back (test_a_dead_supervisors_lease_above_the_desired_count_...).
+MAX_WORKERS = 3
 DRAIN_S = 10.0
 KILL_WEIGHTS = {"worker": 0.45, "supervisor": 0.25, "trainer rank": 0.3}
 MIN_AGE_S = {"worker": (0.0, 60.0), "supervisor": (0.0, 30.0), "trainer rank": (5.0, 60.0)}

@@ -69,12 +69,6 @@ def stray(one_process_storm: tuple[Storm, Audit]) -> Iterator[subprocess.Popen]:
     p.wait()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rollout_worker/supervisor.py Supervisor._acquire only looks at slots below the desired count: the lease "
-    "of a SIGKILLed supervisor on a slot no longer wanted is never taken over nor given back, and `shardrl fsck` "
-    "exits 1 on it ('lease slot K: held by ... but only N workers desired') for good",
-)
 def test_a_dead_supervisors_lease_above_the_desired_count_is_given_back(tmp_path: Path) -> None:
     """Found by the storm: a supervisor holding slot 0 is SIGKILLed, then the run scales to 0.  A live supervisor
     must give the dead one's lease back once it is stale (run.lease_timeout_s), so that the run ends consistent."""
