@@ -40,10 +40,10 @@ from .fsio import (
     create_json_exclusive,
     read_capped_stat,
     read_json,
-    read_json_or_none,
     write_json_atomic,
 )
 from .layout import RunLayout
+from .records import Lease, RecordError, create_record, read_record, write_record
 
 ACTIONS = ("add", "remove", "set")
 HISTORY = 256
@@ -317,8 +317,9 @@ def read_lease(layout: RunLayout, slot: int) -> dict | None:
     gens = lease_generations(layout, slot)
     if not gens:
         return None
-    rec = read_json_or_none(layout.lease(slot, gens[-1]))
-    if not isinstance(rec, dict):
+    try:
+        rec = read_record(Lease, layout.lease(slot, gens[-1]), attempts=2).to_json()
+    except (RecordError, OSError):
         rec = {"slot": slot, "holder": None, "counter": None}
     return {**rec, "generation": gens[-1]}
 
@@ -343,17 +344,17 @@ class Leases:
     def read(self, slot: int) -> dict | None:
         return read_lease(self.layout, slot)
 
-    def _record(self, slot: int, generation: int, counter: int, *, released: bool = False) -> dict:
-        return {
-            "slot": slot,
-            "generation": generation,
-            "holder": self.holder,
-            "counter": counter,
-            "released": released,
-            "host": HOST,
-            "pid": os.getpid(),
-            "written_at": time.time(),
-        }
+    def _record(self, slot: int, generation: int, counter: int, *, released: bool = False) -> Lease:
+        return Lease(
+            slot=slot,
+            generation=generation,
+            holder=self.holder,
+            counter=counter,
+            released=released,
+            host=HOST,
+            pid=os.getpid(),
+            written_at=time.time(),
+        )
 
     def is_stale(self, slot: int, rec: dict) -> bool:
         """True once ``rec`` (generation, holder, counter) has stayed the same for ``timeout_s`` on our clock."""
@@ -379,7 +380,7 @@ class Leases:
     def _claim(self, slot: int, generation: int) -> bool:
         """Exclusive create of exactly ``generation``: of all who try it, one wins; the others hold nothing."""
         self.layout.lease_dir(slot).mkdir(parents=True, exist_ok=True)
-        if not create_json_exclusive(self.layout.lease(slot, generation), self._record(slot, generation, 1)):
+        if not create_record(self.layout.lease(slot, generation), self._record(slot, generation, 1)):
             return False
         self.generations[slot], self.counters[slot] = generation, 1
         for old in lease_generations(self.layout, slot):
@@ -400,7 +401,7 @@ class Leases:
             return False
         counter = self.counters[slot] + 1
         gen = self.generations[slot]
-        write_json_atomic(self.layout.lease(slot, gen), self._record(slot, gen, counter))
+        write_record(self.layout.lease(slot, gen), self._record(slot, gen, counter))
         self.counters[slot] = counter
         return True
 
@@ -408,9 +409,8 @@ class Leases:
         """Give a held slot back: its generation says ``released``, so the next taker need not wait."""
         if slot in self.generations and not self._superseded(slot):
             gen = self.generations[slot]
-            write_json_atomic(
-                self.layout.lease(slot, gen),
-                self._record(slot, gen, self.counters[slot] + 1, released=True),
+            write_record(
+                self.layout.lease(slot, gen), self._record(slot, gen, self.counters[slot] + 1, released=True)
             )
         self._forget(slot)
 
