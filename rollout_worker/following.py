@@ -58,7 +58,11 @@ class WeightFollower:
         self._last_poll = -math.inf
 
     def too_stale(self) -> bool:
-        return self.latest + self._publish_in_flight() - self.version > self.max_staleness
+        # A LATEST that failed to load (damaged, or naming a missing version) does not count: the newest version
+        # that loads is the one we serve (``poll`` tried the older ones), and pausing for a version nobody can load
+        # would leave the trainer waiting for samples forever; its next publish replaces LATEST.
+        latest = self.version if self.latest in self.bad else self.latest
+        return latest + self._publish_in_flight() - self.version > self.max_staleness
 
     def _publish_in_flight(self) -> int:
         """1 while the trainer computes a step that will publish the next version, else 0.

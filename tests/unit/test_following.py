@@ -70,3 +70,12 @@ def test_an_unreadable_trainer_record_counts_as_no_step_in_flight(layout: RunLay
     layout.trainer_status.parent.mkdir(parents=True, exist_ok=True)
     layout.trainer_status.write_text("{garbage")
     assert not f.too_stale()
+
+
+def test_a_latest_that_cannot_be_loaded_does_not_pause_the_worker(layout: RunLayout) -> None:
+    """LATEST names v9, which is missing: waiting for it would deadlock with a trainer waiting for samples."""
+    f = _follower(layout, max_staleness=1)
+    f.latest = 9
+    assert f.too_stale()  # not yet known to be bad: poll will try to load it
+    f.bad[9] = "weights/v000009/manifest.json: missing"
+    assert not f.too_stale()
