@@ -42,7 +42,9 @@ def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     assert sorted(os.listdir(layout.shards_ready)) == sorted(s.name for s in ready)
     # the killed writers' temporaries: fsck finds them, --repair removes them, then fsck is clean
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    (layout.run_json).write_text(json.dumps({"run_id": "r", "schema_version": SCHEMA_VERSION, "created_at": 0}))
+    (layout.run_json).write_text(
+        json.dumps({"run_id": "r", "schema_version": SCHEMA_VERSION, "created_at": 0})
+    )
     from buffer.config import ShardRLConfig
 
     cfg = ShardRLConfig.model_validate({"reward": {"function": "max_digit"}})  # every run names its reward
