@@ -44,6 +44,29 @@ def make_run(root: Path, model: Path, **overrides: Any) -> RunLayout:
     return init_run(root, validate(apply_overrides({}, settings), "test settings")).layout
 
 
+def write_groups(layout: RunLayout, worker: str, version: int = 0, groups: int = 2, group: int = 8) -> str:
+    """One valid shard of ``groups`` whole groups of ``group`` samples at ``version``; its file name."""
+    from buffer.shards import ShardWriter
+
+    w = ShardWriter(layout, open_run(layout.root).run_id, worker)
+    for g in range(groups):
+        for i in range(group):
+            w.add(
+                {
+                    "group_id": f"{worker}.{w.incarnation}.g{g}",
+                    "prompt_ids": [5, 6, 7, 8],
+                    "response_ids": [10 + i, 20 + g, 30],
+                    "response_logprobs": [-1.0, -2.0, -0.5],
+                    "reward": float(i % 2),
+                    "policy_version": version,
+                    "finish_reason": "stop",
+                }
+            )
+    path = w.flush()
+    assert path is not None
+    return path.name
+
+
 def synth(layout: RunLayout, shards: int, samples: int, seed: int = 0) -> None:
     from shardrl.synth import synth_shards
 

@@ -23,8 +23,7 @@ import pytest
 from buffer import plans, shards
 from buffer.heartbeats import read_trainer
 from buffer.layout import RunLayout
-from buffer.run import open_run
-from buffer.shards import ShardName, ShardWriter
+from buffer.shards import ShardName
 from buffer.status import backlog
 from buffer.weights import commit_version, latest_version, staging_dir, verify_version, write_latest
 from trainer.checkpoint import latest_complete_checkpoint
@@ -40,6 +39,7 @@ from ._trainer_helpers import (
     tail,
     trainer_args,
     wait_for,
+    write_groups,
 )
 from .faultfs import FaultFS, fuse_unavailable, mounted
 
@@ -48,24 +48,7 @@ STEP = 2 * GROUP
 
 
 def _shard(layout: RunLayout, worker: str, version: int = 0, groups: int = 2) -> str:
-    run = open_run(layout.root)
-    w = ShardWriter(layout, run.run_id, worker)
-    for g in range(groups):
-        for i in range(GROUP):
-            w.add(
-                {
-                    "group_id": f"{worker}.{w.incarnation}.g{g}",
-                    "prompt_ids": [5, 6, 7, 8],
-                    "response_ids": [10 + i, 20 + g, 30],
-                    "response_logprobs": [-1.0, -2.0, -0.5],
-                    "reward": float(i % 2),
-                    "policy_version": version,
-                    "finish_reason": "stop",
-                }
-            )
-    path = w.flush()
-    assert path is not None
-    return path.name
+    return write_groups(layout, worker, version, groups, group=GROUP)
 
 
 def _run(root: Path, model: Path, **overrides: Any) -> RunLayout:

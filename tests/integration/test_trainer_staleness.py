@@ -10,32 +10,15 @@ from buffer import shards
 from buffer.heartbeats import read_trainer
 from buffer.layout import RunLayout
 from buffer.plans import valid_plans
-from buffer.run import open_run
-from buffer.shards import ShardWriter
 from buffer.weights import commit_version, staging_dir
 
-from ._trainer_helpers import command, make_run, metrics, run_ok, trainer_args
+from ._trainer_helpers import command, make_run, metrics, run_ok, trainer_args, write_groups
 
 GROUP = 8
 
 
-def _shard(layout: RunLayout, worker: str, version: int, groups: int) -> None:
-    run = open_run(layout.root)
-    w = ShardWriter(layout, run.run_id, worker)
-    for g in range(groups):
-        for i in range(GROUP):
-            w.add(
-                {
-                    "group_id": f"{worker}.g{g}",
-                    "prompt_ids": [5, 6, 7, 8],
-                    "response_ids": [10 + i, 20 + g, 30],
-                    "response_logprobs": [-1.0, -2.0, -0.5],
-                    "reward": float(i % 2),
-                    "policy_version": version,
-                    "finish_reason": "stop",
-                }
-            )
-    w.flush()
+def _shard(layout: RunLayout, worker: str, version: int = 0, groups: int = 2) -> str:
+    return write_groups(layout, worker, version, groups, group=GROUP)
 
 
 def _ids(layout: RunLayout, worker: str) -> list[str]:
