@@ -6,7 +6,13 @@ from typing import Any
 
 
 def _qwen2(
-    hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    tied: bool = True,
 ) -> dict[str, Any]:
     return dict(
         hidden_size=hidden,
@@ -15,7 +21,7 @@ def _qwen2(
         num_key_value_heads=kv_heads,
         intermediate_size=intermediate,
         vocab_size=vocab,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
 
 
@@ -24,4 +30,5 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2-0.1b": _qwen2(512, 12, 8, 2, 2816, 151936),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, 151936),
     "qwen2.5-1.5b": _qwen2(1536, 28, 12, 2, 8960, 151936),
+    "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, 152064, tied=False),
 }

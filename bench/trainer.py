@@ -9,13 +9,22 @@ else CPU) and synthetic samples (``--samples-per-rank`` x ``--seq-len`` tokens p
 prompt), then times, one after the other:
 
 - bare:     a plain HF causal LM sharded the same way (activation checkpointing, ``fully_shard`` per decoder layer
-            and root, the same mixed precision), ``model(input_ids, labels=...)`` -> loss -> backward, over the same
+            and root, the same mixed precision) computing the same tokens as the trainer: the decoder on every
+            token, the LM head and a cross-entropy on the response tokens only, then backward, over the same
             micro-batches; no optimizer (``--bare-adam`` adds clip + AdamW, to show what the update costs);
 - trainer:  ``trainer.step.train_step`` with the run config's defaults (GRPO, decoupled objective, bf16 compute on
             GPU, activation checkpointing): advantages, chunked logprobs, losses, backward, clip, AdamW, metrics.
 
-Prints per path the step time, tokens/s (all tokens of all ranks), MFU (6 * params * tokens against a bf16 peak of
-989 TFLOP/s per H200; not meaningful on CPU), peak memory, and the ratio trainer tokens/s / bare tokens/s.
+Prints per path the step time, tokens/s (all tokens of all ranks), MFU against a bf16 peak of 989 TFLOP/s per H200
+(not meaningful on CPU), peak memory, and the ratio trainer tokens/s / bare tokens/s.  MFU counts the FLOPs a
+forward + backward runs (``step_flops``): 6 x the decoder's parameters x every token (the input embedding is a
+lookup, not a matmul), 6 x hidden x vocab x the response tokens (the only ones the LM head is applied to), and,
+reported apart, causal attention, 6 x layers x hidden x sum(sequence length^2); activation recomputation is not
+counted as useful work.
+
+``--preset qwen2.5-7b`` is the Qwen2.5-7B shape (untied, 7.6B parameters): it needs two H200s (fp32 master weights,
+gradients and AdamW state are 16 bytes per parameter), or ``--cpu-offload`` (``trainer.cpu_offload``: parameters,
+gradients and optimizer state in host memory, the optimizer step on the CPU), or ``--lora R`` (a frozen bf16 base).
 
 ``--lengths longtail`` measures what padding would cost instead: response lengths are drawn log-uniformly between
 ``--response-min`` and ``--response-max`` (32..4096 by default: as many sequences under 128 tokens as between 1024 and
@@ -47,12 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shapes import SHAPES
 
 PEAK_BF16_FLOPS = 989e12  # per H200, dense
-PRESETS: dict[str, dict[str, Any]] = {k: SHAPES[k] for k in ("tiny", "qwen2.5-1.5b")}
+PRESETS: dict[str, dict[str, Any]] = {k: SHAPES[k] for k in ("tiny", "qwen2.5-1.5b", "qwen2.5-7b")}
 DEFAULT_SHAPE = {
     "tiny": (4, 128, 32),
     "qwen2.5-1.5b": (8, 2048, 512),
+    "qwen2.5-7b": (8, 2048, 512),
 }  # samples per rank, seq len, prompt len
-LONGTAIL_RESPONSES = {"tiny": (8, 512), "qwen2.5-1.5b": (32, 4096)}  # log-uniform response lengths, by preset
+LONGTAIL_RESPONSES = {"tiny": (8, 512), "qwen2.5-1.5b": (32, 4096), "qwen2.5-7b": (32, 4096)}  # log-uniform
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--microbatch-tokens", type=int, default=16384, help="trainer.max_tokens_per_microbatch")
     p.add_argument("--no-activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--cpu-offload", action="store_true", help="trainer.cpu_offload for every path (bare and trainer)"
+    )
+    p.add_argument(
+        "--lora", type=int, default=0, help="model.lora.rank for the trainer path (the bare path stays full)"
+    )
+    p.add_argument(
+        "--paths",
+        default=None,
+        help="comma-separated subset of the uniform paths to time: bare, bare-adam, trainer (default: all)",
+    )
     p.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each path")
     p.add_argument("--steps", type=int, default=5, help="timed steps of each path (the mean is reported)")
@@ -169,7 +190,7 @@ def microbatch_shares(cfg: Any, samples: list[Any], world: int, packed: bool) ->
 
 
 def bare_batches(cfg: Any, samples: list[Any], device: Any) -> list[dict[str, Any]]:
-    """This rank's micro-batches exactly as the padded trainer splits them, with HF labels on the response tokens."""
+    """This rank's micro-batches exactly as the padded trainer splits them, with labels on the response tokens."""
     from trainer import dist as tdist
     from trainer.data import assign_to_ranks, collate, microbatches
 
@@ -180,6 +201,32 @@ def bare_batches(cfg: Any, samples: list[Any], device: Any) -> list[dict[str, An
         labels = b["input_ids"].masked_fill(b["response_mask"] == 0, -100)
         out.append({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "labels": labels})
     return [{k: v.to(device) for k, v in b.items()} for b in out]
+
+
+class BareLM:  # built lazily: torch is imported inside main
+    """The least a policy-gradient step computes: the decoder on every token, the LM head and a cross-entropy on the
+    response tokens only.  The root FSDP unit, so its forward gathers the embedding and the head."""
+
+    @staticmethod
+    def build(lm: Any) -> Any:
+        import torch.nn.functional as F
+        from torch import nn
+
+        class _Bare(nn.Module):
+            def __init__(self, lm: Any):
+                super().__init__()
+                self.lm = lm
+
+            def forward(self, input_ids: Any, attention_mask: Any, labels: Any) -> Any:
+                h = self.lm.model(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+                ).last_hidden_state
+                target = labels[:, 1:]
+                keep = target != -100
+                logits = self.lm.lm_head(h[:, :-1][keep]).float()
+                return F.cross_entropy(logits, target[keep])
+
+        return _Bare(lm)
 
 
 def timed(fn: Callable[[], Any], warmup: int, steps: int) -> float:
@@ -221,47 +268,54 @@ def peak_memory() -> str:
 
 
 def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool) -> float:
-
     from trainer import dist as tdist
     from trainer.model import build_optimizer, clip_grad_norm_, decoder_layers, shard
 
     device = tdist.current_device()
     lm = build_lm(args.preset, max_len(args), device)
+    bare = BareLM.build(lm)
     t = cfg.trainer
     shard(
-        lm,
+        bare,
         decoder_layers(lm.model),
         device,
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
+        cpu_offload=t.cpu_offload,
     )
-    opt = build_optimizer(lm, lr=1e-6) if adam else None
+    opt = build_optimizer(bare, lr=1e-6) if adam else None
     batches = bare_batches(cfg, samples, device)
 
     def step() -> None:
         for b in batches:
-            lm(**b, use_cache=False).loss.backward()
+            bare(**b).backward()
         if opt is not None:
-            clip_grad_norm_(lm.parameters(), 1.0)
+            clip_grad_norm_(bare.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
         else:
-            lm.zero_grad(set_to_none=True)
+            bare.zero_grad(set_to_none=True)
 
     return timed(step, args.warmup, args.steps)  # the model goes with this frame, before the next path
 
 
 def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> float:
     from trainer import dist as tdist
+    from trainer.lora import maybe_lora
     from trainer.model import build_optimizer, build_scheduler, shard_actor
     from trainer.step import Models, train_step
 
     device, t = tdist.current_device(), cfg.trainer
+    where = device if tdist.is_main() else "meta"  # the other ranks receive rank 0's weights (load_once)
+    lm = maybe_lora(
+        build_lm(args.preset, max_len(args), where), cfg.model.lora, t.param_dtype, device, "lora"
+    )
     actor = shard_actor(
-        build_lm(args.preset, max_len(args), device),
+        lm,
         device,
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
+        cpu_offload=t.cpu_offload,
     )
     opt = build_optimizer(actor, lr=1e-6, betas=t.betas, weight_decay=t.weight_decay)
     sched = build_scheduler(opt, warmup_steps=0, schedule="constant", total_steps=1)
@@ -269,10 +323,27 @@ def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> float
     return timed(lambda: train_step(cfg, models, samples, pad_id=0), args.warmup, args.steps)
 
 
-def report(name: str, step_s: float, tokens: int, params: int, world: int, on_gpu: bool) -> float:
+def step_flops(preset: str, samples: list[Any]) -> tuple[float, float]:
+    """(model FLOPs, attention FLOPs) of one forward + backward over ``samples`` (all ranks): see the docstring."""
+    shape = PRESETS[preset]
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = hidden * (hidden + 2 * kv) + (hidden + 2 * kv) + hidden * hidden  # q, k, v (+ biases), o
+    per_layer += 3 * hidden * shape["intermediate_size"]  # gate, up, down
+    tokens = sum(s.length for s in samples)
+    responses = sum(len(s.response_ids) for s in samples)
+    model = 6 * layers * per_layer * tokens + 6 * hidden * shape["vocab_size"] * responses
+    attention = 6 * layers * hidden * sum(s.length**2 for s in samples)
+    return float(model), float(attention)
+
+
+def report(name: str, step_s: float, samples: list[Any], preset: str, world: int, on_gpu: bool) -> float:
+    tokens = sum(s.length for s in samples)
     tok_s = tokens / step_s
+    model, attention = step_flops(preset, samples)
+    peak = step_s * world * PEAK_BF16_FLOPS
     mfu = (
-        f"MFU {100 * 6 * params * tokens / step_s / (world * PEAK_BF16_FLOPS):5.1f}%"
+        f"MFU {100 * model / peak:5.1f}% (+attention {100 * (model + attention) / peak:5.1f}%)"
         if on_gpu
         else "MFU n/a (CPU)"
     )
@@ -288,8 +359,12 @@ def make_config(args: argparse.Namespace, packing: bool) -> Any:
         "activation_checkpointing": not args.no_activation_checkpointing,
         "param_dtype": args.param_dtype,
         "packing": packing,
+        "cpu_offload": args.cpu_offload,
     }
-    return ShardRLConfig.model_validate({"reward": {"function": "max_digit"}, "trainer": trainer})
+    model = {"lora": {"rank": args.lora}}
+    return ShardRLConfig.model_validate(
+        {"reward": {"function": "max_digit"}, "trainer": trainer, "model": model}
+    )
 
 
 Timed = tuple[str, list[Any], Callable[[], float]]
@@ -298,10 +373,14 @@ Timed = tuple[str, list[Any], Callable[[], float]]
 def uniform_paths(args: argparse.Namespace, vocab: int, world: int) -> list[Timed]:
     cfg = make_config(args, packing=not args.padded)
     samples = make_samples(args, world, vocab)
-    paths: list[Timed] = [("bare fwd+bwd", samples, lambda: run_bare(args, cfg, samples, False))]
-    if args.bare_adam:
+    wanted = set((args.paths or "bare,bare-adam,trainer").split(","))
+    paths: list[Timed] = []
+    if "bare" in wanted:
+        paths.append(("bare fwd+bwd", samples, lambda: run_bare(args, cfg, samples, False)))
+    if args.bare_adam and "bare-adam" in wanted:
         paths.append(("bare fwd+bwd+adam", samples, lambda: run_bare(args, cfg, samples, True)))
-    paths.append(("trainer step", samples, lambda: run_trainer(args, cfg, samples)))
+    if "trainer" in wanted:
+        paths.append(("trainer step", samples, lambda: run_trainer(args, cfg, samples)))
     return paths
 
 
@@ -349,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype = resolve_param_dtype(args.param_dtype, device)
         print(
             f"preset {args.preset}: {params / 1e6:.1f}M params, {world} rank(s) on {device.type}, compute {dtype}, "
-            f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}; "
+            f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}, "
+            f"cpu offload {'on' if args.cpu_offload else 'off'}, trainer LoRA rank {args.lora}; "
             f"{args.samples_per_rank} x {args.seq_len} real tokens per rank ({args.prompt_len} prompt), "
             f"micro-batches of <= {args.microbatch_tokens} tokens; mean of {args.steps} steps after {args.warmup}",
             flush=True,
@@ -360,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         reset_memory()
         step_s = fn()
         if tdist.is_main():
-            results[name] = report(name, step_s, sum(s.length for s in samples), params, world, on_gpu)
+            results[name] = report(name, step_s, samples, args.preset, world, on_gpu)
         torch.manual_seed(0)
     if tdist.is_main():
         if args.lengths == "longtail":
@@ -368,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
             gain = results["trainer step, longtail packed"] / results["trainer step, longtail padded"]
             print(f"longtail packed / uniform real tokens/s {ratio:.3f} (target >= 0.9)", flush=True)
             print(f"longtail packed / longtail padded real tokens/s {gain:.2f}x", flush=True)
-        else:
+        elif "trainer step" in results and "bare fwd+bwd" in results:
             ratio = results["trainer step"] / results["bare fwd+bwd"]
             print(f"trainer/bare tokens/s ratio {ratio:.3f} (target >= 0.9)", flush=True)
     tdist.teardown()

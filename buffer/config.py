@@ -530,6 +530,11 @@ class TrainerConfig(_Section):
         None, ge=1, description="Stop after N steps in this invocation (per process)."
     )
     activation_checkpointing: bool = Field(False, description="Recompute decoder layers in backward.")
+    cpu_offload: bool = Field(
+        False,
+        description="Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); "
+        "the optimizer step runs on the CPU. Saves GPU memory, costs step time.",
+    )
     param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="FSDP2 compute dtype; auto = bf16 on GPU, fp32 on CPU."
     )

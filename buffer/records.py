@@ -222,7 +222,8 @@ class TrainerStatus(StatusRecord):
     epoch: int | None = None
     resumed_from: int | None = None
     step: int = 0
-    published_version: int = 0
+    published_version: int = 0  # the newest version started, committed or still being written
+    publishing: int | None = None  # the version whose files are being written (not yet in LATEST), if any
     samples_trained: int = 0
     dropped_stale: int = 0
     quarantined: int = 0

@@ -263,6 +263,7 @@ def _trainer_view(
         "total_steps": settings["trainer", "total_steps"],
         "state": trainer.state if trainer else "absent",
         "published_version": trainer.published_version if trainer else None,
+        "publishing": trainer.publishing if trainer else None,
         "heartbeat_age_s": age,
         "stale_after_s": stale_after,
         "heartbeat_stale": bool(

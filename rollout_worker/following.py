@@ -62,22 +62,27 @@ class WeightFollower:
         # that loads is the one we serve (``poll`` tried the older ones), and pausing for a version nobody can load
         # would leave the trainer waiting for samples forever; its next publish replaces LATEST.
         latest = self.version if self.latest in self.bad else self.latest
-        return latest + self._publish_in_flight() - self.version > self.max_staleness
+        return latest + self._versions_in_flight() - self.version > self.max_staleness
 
-    def _publish_in_flight(self) -> int:
-        """1 while the trainer computes a step that will publish the next version, else 0.
+    def _versions_in_flight(self) -> int:
+        """How many versions newer than LATEST exist before a batch started now can be consumed: one being written
+        in the background (the trainer's ``publishing``), and one more while it computes a step that publishes.
 
-        A batch started now is consumed after that step at the earliest, so it is judged against the version that
-        step publishes: with ``max_staleness = 0`` a worker waits for the new weights instead of generating samples
-        the trainer would drop (the synchronous mode), and with 1 it may start on the current ones.
+        A batch started now is consumed after the step in progress at the earliest, so it is judged against the
+        version that step publishes: with ``max_staleness = 0`` a worker waits for the new weights instead of
+        generating samples the trainer would drop (the synchronous mode), and with 1 it may start on the current
+        ones.  Without ``publish_every = 1`` the step in progress may not publish, and only a version being written
+        counts.
         """
-        if self.publish_every != 1:
-            return 0  # the step in flight may not publish; judging by LATEST alone stays safe
         try:
             rec = load_trainer(self.layout)
         except (RecordError, OSError):
             return 0
-        return 1 if rec is not None and rec.state == "training" else 0
+        if rec is None:
+            return 0
+        newest = max(self.latest, rec.publishing or 0)
+        computing = self.publish_every == 1 and rec.state == "training"
+        return newest + int(computing) - self.latest
 
     def catch_up(self) -> bool:
         """Poll (rate-limited); True when a batch may start, False while too stale even after a forced poll."""

@@ -87,9 +87,11 @@ def _trainer(con: Console, snap: dict[str, Any]) -> None:
     budget = "" if tr.get("total_steps") is None else f" of {tr['total_steps']}"
     age = tr["heartbeat_age_s"]
     beat = "" if age is None else f", status written {age:.1f}s ago"
+    weights = version_name(tr["published_version"])
+    if tr.get("publishing") is not None:  # a version in flight is counted in published_version already
+        weights = f"{version_name(tr['publishing'] - 1)}, {version_name(tr['publishing'])} being written"
     con.print(
-        f"trainer step {tr['step']}{budget} ({tr['state']}{beat}), "
-        f"published weights {version_name(tr['published_version'])}",
+        f"trainer step {tr['step']}{budget} ({tr['state']}{beat}), published weights {weights}",
         highlight=False,
     )
     if tr.get("heartbeat_stale"):

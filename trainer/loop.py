@@ -106,6 +106,7 @@ def build_models(run: Run) -> Models:
     sharding: dict[str, Any] = {
         "param_dtype": t.param_dtype,
         "activation_checkpointing": t.activation_checkpointing,
+        "cpu_offload": t.cpu_offload,
     }
     schedule: dict[str, Any] = {
         "warmup_steps": t.warmup_steps,
@@ -119,7 +120,7 @@ def build_models(run: Run) -> Models:
         models.reference = (
             AdaptersOff(actor)
             if cfg.model.lora.enabled
-            else build_reference(run.model_dir, device, param_dtype=t.param_dtype)
+            else build_reference(run.model_dir, device, param_dtype=t.param_dtype, cpu_offload=t.cpu_offload)
         )
     if cfg.algorithm.name == "ppo":
         models.critic = build_critic(t.critic_path or run.model_dir, device, **sharding, lora=t.critic_lora)
@@ -156,6 +157,7 @@ class Reporter:
         self.sink: Sinks | None = None
         self.writer: heartbeats.StatusWriter[TrainerStatus] | None = None
         self.last_error: str | None = None
+        self.publishing: int | None = None  # the version being written in the background
         if tdist.is_main():
             tb = run.layout.root / "tensorboard" if run.config.trainer.tensorboard else None
             self.sink = open_sinks(run.layout.metrics_file("trainer"), tb, wandb_target(run, "trainer"))
@@ -176,6 +178,7 @@ class Reporter:
                 state=what,
                 step=state.step,
                 published_version=state.version,
+                publishing=self.publishing,
                 samples_trained=state.samples_trained,
                 dropped_stale=state.dropped_stale,
                 waiting=waiting,
@@ -279,12 +282,14 @@ class Versions:
         else:
             state.version = version
             state.merged_step = state.step if merged else state.merged_step
+            self.report.publishing = version  # workers judge staleness by it (rollout_worker/following.py)
         out["publish"] = time.monotonic() - t0
         return out
 
     def settle(self, models: Models, state: TrainState) -> dict[str, float]:
         """Wait for the version in flight; a failed one is published again (current weights) until it works."""
         settled = self.publisher.settle()
+        self.report.publishing = None
         if settled is None:
             return {}
         if settled.error is None:

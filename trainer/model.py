@@ -71,14 +71,48 @@ def resolve_param_dtype(param_dtype: ParamDtype, device: torch.device) -> torch.
     raise ValueError(f"param_dtype: {param_dtype!r} is not one of auto, float32, bfloat16")
 
 
-def load_causal_lm(model_dir: str | Path) -> nn.Module:
-    """An HF causal LM from ``model_dir`` in fp32 on the CPU (FSDP moves each unit's shard to the device)."""
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(model_dir: str | Path, *, weights: bool = True) -> nn.Module:
+    """An HF causal LM from ``model_dir`` in fp32 on the CPU (FSDP moves each unit's shard to the device);
+    ``weights=False``: the same model built from its config on the meta device (nothing read, no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not an HF model directory (no config.json); check model.path")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if weights:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+
+
+def reads_weights() -> bool:
+    """Whether this rank reads model weights from disk: only rank 0 does; the others build on the meta device and
+    receive their shards from it (``load_once``), so a node holds one host copy of a model, not one per rank."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def load_once(root: nn.Module, layers: nn.ModuleList, device: torch.device, **sharding: Any) -> None:
+    """``shard`` (with ``sharding``, its keyword arguments) a model that holds its weights on rank 0 and is on the
+    meta device elsewhere, then give every rank its shards from rank 0's full state dict.
+
+    Buffers are broadcast too: non-persistent ones (rotary ``inv_freq``) are in no state dict, and a meta rank's
+    ``to_empty`` leaves them uninitialised.
+    """
+    single = dist.get_world_size() == 1
+    # rank 0's weights as they are (fp32; a frozen LoRA base in the compute dtype)
+    full = root.state_dict() if reads_weights() and not single else None
+    shard(root, layers, device, **sharding)
+    if single:
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in root.parameters()):  # offloaded shards live in host memory
+        root.to_empty(device="cpu" if sharding.get("cpu_offload") else device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(root, full or {}, options=options)
+    del full
+    for buf in root.buffers():
+        dist.broadcast(buf, src=0)
 
 
 def decoder_layers(base: nn.Module) -> nn.ModuleList:
@@ -96,11 +130,16 @@ def shard(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
 ) -> None:
-    """Apply activation checkpointing, then ``fully_shard`` per layer, then on ``root``, over all ranks (in place)."""
+    """Apply activation checkpointing, then ``fully_shard`` per layer, then on ``root``, over all ranks (in place).
+
+    ``cpu_offload``: every unit keeps its shards (parameters, gradients, hence the optimizer state) in host memory,
+    pinned on GPU so the copies around each unit's compute are asynchronous; the optimizer steps on the CPU.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not dist.is_initialized():
         raise RuntimeError("trainer.model: call trainer.dist.init() before building a sharded model")
@@ -111,9 +150,11 @@ def shard(
     policy = MixedPrecisionPolicy(
         param_dtype=resolve_param_dtype(param_dtype, device), reduce_dtype=torch.float32
     )
+    # CPU-only machines cannot pin memory
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(root, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    fully_shard(root, mesh=mesh, mp_policy=policy, offload_policy=offload)
 
 
 def reshard(model: nn.Module) -> None:
@@ -546,17 +587,20 @@ def build_actor(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
     lora: Any = None,
 ) -> Actor:
     """The trainable actor, sharded over all ranks, in train mode; ``lora`` (``model.lora``) with rank > 0 puts
     LoRA adapters on a frozen base (``trainer/lora.py``)."""
     from trainer.lora import maybe_lora
 
+    lm = load_causal_lm(model_dir, weights=reads_weights())
     return shard_actor(
-        maybe_lora(load_causal_lm(model_dir), lora, param_dtype, device, "model.lora"),
+        maybe_lora(lm, lora, param_dtype, device, "model.lora"),
         device,
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
+        cpu_offload=cpu_offload,
     )
 
 
@@ -566,26 +610,33 @@ def shard_actor(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
 ) -> Actor:
-    """Wrap an already built HF causal LM (fp32, CPU or ``device``) as a sharded ``Actor``."""
+    """Wrap an already built HF causal LM (fp32 on CPU or ``device``; on the meta device on ranks other than 0, see
+    ``load_once``) as a sharded ``Actor``."""
     actor = Actor(lm)
-    shard(
+    load_once(
         actor,
         decoder_layers(lm.base_model),
         device,
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
+        cpu_offload=cpu_offload,
     )
     return actor.train()
 
 
 def build_reference(
-    model_dir: str | Path, device: torch.device, *, param_dtype: ParamDtype = "auto"
+    model_dir: str | Path,
+    device: torch.device,
+    *,
+    param_dtype: ParamDtype = "auto",
+    cpu_offload: bool = False,
 ) -> Actor:
     """A frozen copy of the actor's base (KL reference): sharded like the actor, no grad, eval mode."""
-    lm = load_causal_lm(model_dir)
+    lm = load_causal_lm(model_dir, weights=reads_weights())
     lm.requires_grad_(False)
-    actor = shard_actor(lm, device, param_dtype=param_dtype)
+    actor = shard_actor(lm, device, param_dtype=param_dtype, cpu_offload=cpu_offload)
     return actor.eval()
 
 
@@ -596,7 +647,8 @@ class Critic(nn.Module):
         super().__init__()
         self.base: Any = base
         use_packed_attention(base)
-        self.value_head = nn.Linear(hidden_size, 1)
+        # on the base's device: the meta device on ranks that receive their weights from rank 0 (``load_once``)
+        self.value_head = nn.Linear(hidden_size, 1, device=next(base.parameters()).device)
         # Values start at 0: early advantages are then the returns themselves, not a random head's noise.
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
@@ -651,22 +703,25 @@ def build_critic(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    cpu_offload: bool = False,
     lora: Any = None,
 ) -> Critic:
     """A critic on a copy of the base model in ``model_dir`` (its LM head dropped), sharded over all ranks;
     ``lora`` (``trainer.critic_lora``) with rank > 0: LoRA adapters on its frozen base, the value head trains."""
     from trainer.lora import maybe_lora
 
-    lm: Any = maybe_lora(load_causal_lm(model_dir), lora, param_dtype, device, "trainer.critic_lora")
+    lm: Any = load_causal_lm(model_dir, weights=reads_weights())
+    lm = maybe_lora(lm, lora, param_dtype, device, "trainer.critic_lora")
     base = lm.base_model
     critic = Critic(base, int(lm.config.hidden_size))
     del lm
-    shard(
+    load_once(
         critic,
         decoder_layers(base),
         device,
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
+        cpu_offload=cpu_offload,
     )
     return critic.train()
 
@@ -737,21 +792,27 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> float:
-    """Clip gradients to a global norm over all ranks' shards; returns the norm before clipping.
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Clip gradients to their global L2 norm over all ranks' shards; returns the norm before clipping.
 
-    FSDP2 gradients are DTensors: the per-tensor norms combine into a partial DTensor, and ``full_tensor()`` reduces
-    it across ranks, so every rank scales by the same global norm.  A non-finite norm is returned as is (the
-    caller decides to skip the step); the gradients are then scaled by a NaN/0 factor.
+    Works on each rank's local shards as plain tensors, wherever they live (the device, or host memory with
+    ``trainer.cpu_offload``): the squared norms are summed across ranks on the collective device, and every rank
+    scales its shards by the same factor.  A non-finite norm is returned as is (the caller skips the step); the
+    gradients are then scaled by a NaN/0 factor.
     """
     from torch.distributed.tensor import DTensor
 
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
         return 0.0
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    squared = torch.nn.utils.get_total_norm(local, norm_type=2.0).double() ** 2
+    if any(isinstance(g, DTensor) for g in grads) and dist.is_initialized() and dist.get_world_size() > 1:
+        from trainer import dist as tdist
+
+        squared = tdist.all_reduce_sum(squared.cpu())
+    total = squared.sqrt()
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in local:
+        g.mul_(factor.to(device=g.device, dtype=g.dtype))
     return float(total.item())

@@ -5,6 +5,9 @@
 Modes:
   publish OUT TIED_MODEL UNTIED_MODEL   train one step on each model, publish it, write references into OUT
   train-save RUN MODEL OUT TAG STEPS    train STEPS steps, checkpoint after each, dump the final state as OUT/TAG.*
+  load-once OUT MODEL                   build the actor (plain and LoRA), the reference and a LoRA critic as the trainer
+                                        does; write what each rank read from disk, and on rank 0 compare the gathered
+                                        weights, buffers and logprobs with an unsharded load, into OUT/load-once.json
   resume RUN MODEL OUT TAG [STEPS]      load the newest complete checkpoint, dump it as OUT/TAG.*, then optionally
                                         train and checkpoint STEPS more steps, dump again as OUT/TAG-after.* and
                                         publish weight version 1 (float32) into RUN
@@ -190,6 +193,86 @@ def mode_resume(run: Path, model_dir: str, out: Path, tag: str, more: int, devic
         )
 
 
+def mode_load_once(out: Path, model_dir: str, device: torch.device) -> None:
+    """Only rank 0 reads the weights; every rank ends with the weights, buffers and outputs of an unsharded load."""
+    import transformers
+
+    from buffer.config import AdapterConfig
+    from trainer.model import build_critic, build_reference, load_causal_lm
+
+    reads = 0
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def counting(*args, **kwargs):
+        nonlocal reads
+        reads += 1
+        return original(*args, **kwargs)
+
+    transformers.AutoModelForCausalLM.from_pretrained = counting  # type: ignore[method-assign]
+    lora = AdapterConfig(rank=4, alpha=8.0)
+    actor = build_actor(model_dir, device, param_dtype="float32", activation_checkpointing=True)
+    lora_actor = build_actor(model_dir, device, param_dtype="float32", lora=lora)
+    reference = build_reference(model_dir, device, param_dtype="float32")
+    critic = build_critic(model_dir, device, param_dtype="float32", lora=lora)
+    transformers.AutoModelForCausalLM.from_pretrained = original  # type: ignore[method-assign]
+
+    ids, mask = batch(actor.config.vocab_size, 7)  # the same batch on every rank
+    outputs = {
+        tag: token_logprobs_and_entropy(m, ids.to(device), attention_mask=mask.to(device), chunk=CHUNK)[0]
+        for tag, m in (("actor", actor), ("lora", lora_actor), ("reference", reference))
+    }
+    values = critic.values(ids.to(device), mask.to(device))
+    states = {
+        tag: full_state(m, None) for tag, m in (("actor", actor), ("lora", lora_actor), ("critic", critic))
+    }
+    buffers = {n: b.detach().cpu() for n, b in actor.named_buffers()}
+    reads_by_rank = tdist.all_gather_object(reads)
+    if not tdist.is_main():
+        return
+    plain = load_causal_lm(model_dir).eval()
+    want = {f"param/lm.{k}": v for k, v in plain.state_dict().items()}
+    with torch.no_grad():
+        ref_logp = token_logprobs_and_entropy(plain, ids, attention_mask=mask, chunk=CHUNK)[0]
+
+    def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.detach().cpu().float() - b.float()).abs().max())
+
+    def strip(k: str) -> str:
+        return k.replace("_checkpoint_wrapped_module.", "").replace(".base_layer.", ".")
+
+    lora_a = {k: v for k, v in states["lora"].items() if ".lora_A." in k}
+    report = {
+        "reads_by_rank": reads_by_rank,
+        "actor_weights_max_diff": max(diff(states["actor"][k], v) for k, v in want.items()),
+        "actor_missing": sorted(set(want) - set(states["actor"])),
+        "lora_base_max_diff": max(
+            diff(v, want[strip(k)]) for k, v in states["lora"].items() if strip(k) in want
+        ),
+        "lora_b_max_abs": max(float(v.abs().max()) for k, v in states["lora"].items() if ".lora_B." in k),
+        # kaiming-uniform init: |a| <= 1/sqrt(fan_in) and std = bound / sqrt(3), in every row block of every rank
+        "lora_a_rows": [
+            [float(v.abs().max() * v.shape[1] ** 0.5), float(v[half].std() * (3 * v.shape[1]) ** 0.5)]
+            for v in lora_a.values()
+            for half in (slice(0, v.shape[0] // 2), slice(v.shape[0] // 2, None))
+        ],
+        "critic_base_max_diff": max(
+            diff(v, want["param/lm.model." + strip(k)[len("param/base.") :]])
+            for k, v in states["critic"].items()
+            if k.startswith("param/base.") and ".lora_" not in k
+        ),
+        "critic_head_max_abs": max(
+            float(v.abs().max()) for k, v in states["critic"].items() if "value_head" in k
+        ),
+        "buffers_max_diff": max(
+            diff(b, dict(plain.named_buffers())[n[len("lm.") :]]) for n, b in buffers.items()
+        ),
+        "buffers": len(buffers),
+        "logprob_max_diff": {tag: diff(v, ref_logp) for tag, v in outputs.items()},
+        "values_max_abs": float(values.abs().max()),
+    }
+    (out / "load-once.json").write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     mode, *args = sys.argv[1:]
     device = tdist.init(os.environ.get("SHARDRL_WORKER_DEVICE", "cpu"))  # type: ignore[arg-type]
@@ -198,6 +281,8 @@ def main() -> None:
         mode_publish(Path(args[0]), args[1], args[2], device)
     elif mode == "train-save":
         mode_train_save(Path(args[0]), args[1], Path(args[2]), args[3], int(args[4]), device)
+    elif mode == "load-once":
+        mode_load_once(Path(args[0]), args[1], device)
     elif mode == "resume":
         more = int(args[4]) if len(args) > 4 else 0
         mode_resume(Path(args[0]), args[1], Path(args[2]), args[3], more, device)

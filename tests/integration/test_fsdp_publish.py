@@ -111,3 +111,26 @@ def test_publish_from_two_ranks(tmp_path: Path, tiny_model_tied: Path, tiny_mode
         assert bf16.keys() == expected.keys()
         for k, v in expected.items():
             assert bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], v.to(torch.bfloat16)), k
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_weights_are_read_once_and_broadcast(
+    tmp_path: Path, tiny_model_tied: Path, tiny_model_untied: Path, tied: bool
+) -> None:
+    """2 ranks: rank 0 reads the model, rank 1 builds it on the meta device; both end with the weights, rotary
+    buffers and outputs of a plain load (actor, LoRA actor, reference, LoRA critic)."""
+    model = tiny_model_tied if tied else tiny_model_untied
+    launch(["load-once", tmp_path, model], nproc=2)
+    r = json.loads((tmp_path / "load-once.json").read_text())
+    assert r["reads_by_rank"] == [4, 0]
+    assert r["actor_missing"] == []
+    assert r["actor_weights_max_diff"] == 0.0
+    assert r["lora_base_max_diff"] == 0.0
+    assert r["critic_base_max_diff"] == 0.0
+    assert r["lora_b_max_abs"] == 0.0 and r["critic_head_max_abs"] == 0.0 and r["values_max_abs"] == 0.0
+    assert r["buffers"] >= 1 and r["buffers_max_diff"] == 0.0
+    for bound, std in r[
+        "lora_a_rows"
+    ]:  # rank 1's rows came from rank 0's init, not from uninitialised memory
+        assert bound <= 1.0 + 1e-6 and 0.6 < std < 1.4, (bound, std)
+    assert all(d < 1e-5 for d in r["logprob_max_diff"].values()), r["logprob_max_diff"]

@@ -1,4 +1,5 @@
-"""The worker's staleness admission counts the version a training step is about to publish.
+"""The worker's staleness admission counts the versions not yet in LATEST: the one a training step is about to
+publish, and one whose files are still being written in the background.
 
 With ``max_staleness = 0`` (the synchronous mode) a worker must not start a batch while the trainer computes a step
 that will publish a newer version: the trainer would drop every sample of it.
@@ -63,6 +64,28 @@ def test_a_step_that_may_not_publish_is_not_counted(layout: RunLayout) -> None:
     f = _follower(layout, max_staleness=0, publish_every=4)
     _trainer(layout, state="training", step=3)
     assert not f.too_stale()
+
+
+def test_a_version_being_written_counts_until_latest_names_it(layout: RunLayout) -> None:
+    """Publishing is asynchronous: after step 4 the trainer may wait for samples while v4's files are written.
+    A synchronous worker must not start on v3 then, nor (one step later) while step 5 computes on top of it."""
+    f = _follower(layout, max_staleness=0)
+    _trainer(layout, state="waiting", step=4, published_version=4, publishing=4)
+    assert f.too_stale()
+    _trainer(layout, state="training", step=4, published_version=4, publishing=4)
+    f1 = _follower(layout, max_staleness=1)
+    assert f1.too_stale()  # v3 samples would be consumed at step 6, with v5: two behind
+    f.latest = 4  # the commit landed; the record may still name it for a while
+    _trainer(layout, state="waiting", step=4, published_version=4, publishing=4)
+    assert f.too_stale()  # ...but the worker still serves v3
+    f.version = 4
+    assert not f.too_stale()
+
+
+def test_a_step_that_may_not_publish_still_counts_a_version_being_written(layout: RunLayout) -> None:
+    f = _follower(layout, max_staleness=0, publish_every=4)
+    _trainer(layout, state="training", step=5, published_version=4, publishing=4)
+    assert f.too_stale()
 
 
 def test_an_unreadable_trainer_record_counts_as_no_step_in_flight(layout: RunLayout) -> None:
