@@ -6,7 +6,8 @@
 Builds a randomly initialised Qwen2 with a published model's shapes on the current device (GPU when there is one,
 else CPU), shards it with FSDP2 like the trainer does, and times, in the same run and directory:
 
-- raw:     rank 0 writes the publish's byte count as one file with fsync (what the disk alone costs);
+- raw:     every rank writes its share of the publish's byte count into a file of its own with fsync, all at once:
+           the same writers and bytes as the publish (one file per rank), so what the disk alone costs in parallel;
 - publish: ``publish_weights`` (cast before the exchange, byte-balanced owners, one file per rank, index/manifest);
 - naive:   ``get_model_state_dict(full_state_dict, cpu_offload)`` to rank 0, cast, one safetensors file, fsync.
 
@@ -35,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shapes import SHAPES
 
-PRESETS = {k: SHAPES[k] for k in ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b")}
+PRESETS = {k: SHAPES[k] for k in ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +60,15 @@ def raw_write(path: Path, nbytes: int, block: int = 64 << 20) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def raw_shares(raw_file: Path, nbytes: int) -> None:
+    """This rank's share of ``nbytes`` (the rest of an uneven split goes to rank 0), in a file of its own."""
+    from trainer import dist as tdist
+
+    me, world = tdist.rank(), tdist.world()
+    share = nbytes // world + (nbytes % world if me == 0 else 0)
+    raw_write(raw_file.with_name(f"{raw_file.name}.{me}"), share)
 
 
 def naive_publish(actor, path: Path, dtype, tied: bool) -> None:
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     publish(1)  # warm-up: communicators, pinned buffers, code paths
     times: dict[str, list[float]] = {"raw": [], "publish": [], "naive": []}
     for r in range(args.repeat):
-        times["raw"].append(timed(lambda: raw_write(raw_file, nbytes) if me == 0 else None))
+        times["raw"].append(timed(lambda: raw_shares(raw_file, nbytes)))
         times["publish"].append(timed(lambda r=r: publish(r + 2)))
         times["naive"].append(timed(lambda: naive_publish(actor, naive_file, dtype, tied)))
         if me == 0:
@@ -228,7 +238,7 @@ def lora_bench(actor, layout, args, lora, tied: bool, src: Path, raw_file: Path,
     v = 3
     times: dict[str, list[float]] = {"raw": [], "adapter": [], "full": []}
     for _ in range(args.repeat):
-        times["raw"].append(timed(lambda: raw_write(raw_file, nbytes) if me == 0 else None))
+        times["raw"].append(timed(lambda: raw_shares(raw_file, nbytes)))
         times["adapter"].append(timed(lambda v=v: publish(v, False)))
         times["full"].append(timed(lambda v=v: publish(v + 1, True)))
         v += 2

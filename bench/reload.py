@@ -35,7 +35,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shapes import SHAPES
 
-PRESETS = {"qwen2-0.1b": SHAPES["qwen2-0.1b"], "qwen2-0.5b": SHAPES["qwen2.5-0.5b"]}
+PRESETS = {
+    "qwen2-0.1b": SHAPES["qwen2-0.1b"],
+    "qwen2-0.5b": SHAPES["qwen2.5-0.5b"],
+    "qwen2.5-1.5b": SHAPES["qwen2.5-1.5b"],
+    "qwen2.5-7b": SHAPES["qwen2.5-7b"],
+}
 
 
 def build_model(out: Path, preset: str, dtype: str) -> Path:

@@ -1,15 +1,50 @@
 #!/bin/bash
-# The GPU figures of docs/PERFORMANCE.md, in one go, on a machine with >= 2 GPUs:
-#   bash bench/run_gpu.sh OUT_DIR
-# Trainer step vs bare FSDP2 step (Qwen2.5-1.5B shape, NCCL, bf16), publish vs naive vs raw disk, shard I/O on the
-# local disk, and the gpu-marked tests.
+# The GPU figures of docs/PERFORMANCE.md, section by section, on a machine with one or more GPUs:
+#   bash bench/run_gpu.sh OUT_DIR [SECTION...]      (default: every section, in this order)
+# Sections:
+#   trainer      trainer step vs bare FSDP2 step, Qwen2.5-1.5B shape, bf16, every GPU
+#   trainer7b    the same at the Qwen2.5-7B shape (the trainer's AdamW state needs two GPUs: one runs out of memory)
+#   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
+#   offload      the 1.5B trainer step with trainer.cpu_offload, next to the same step without
+#   offload7b    the 7B trainer step with trainer.cpu_offload (16 bytes per parameter in host memory: 122 GB on one
+#                GPU's host, more than a 128 GB host has; 61 GB per rank on two GPUs)
+#   publish      publish vs naive vs the disk's parallel write limit, 1.5B and 7B shapes
+#   lora         adapter vs merged full publish at the 1.5B and 7B shapes
+#   reload       hf-engine reload of full weights and of adapters at the 1.5B and 7B shapes
+#   buffer       shard I/O on the local disk
+#   tests        the gpu-marked tests
+# Each section writes OUT_DIR/SECTION.txt; a section that fails or runs out of memory does not stop the others.
 set -u
-OUT=${1:?usage: bench/run_gpu.sh OUT_DIR}
+OUT=${1:?usage: bench/run_gpu.sh OUT_DIR [SECTION...]}
+shift
+SECTIONS=${*:-trainer trainer7b lora7b offload offload7b publish lora reload buffer tests}
 mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
-{ nvidia-smi -L; python -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)"; } \
+RUN="python -m torch.distributed.run --nproc_per_node=$NGPU"
+{ nvidia-smi -L; free -g | head -2; python -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)"; } \
     2>&1 | tee "$OUT/env.txt"
-python -m torch.distributed.run --nproc_per_node="$NGPU" bench/trainer.py --bare-adam 2>&1 | tee "$OUT/trainer.txt"
-python -m torch.distributed.run --nproc_per_node="$NGPU" bench/publish.py --preset qwen2.5-1.5b 2>&1 | tee "$OUT/publish.txt"
-python bench/buffer_io.py --shards 5 2>&1 | tee "$OUT/buffer_io.txt"
-python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+for s in $SECTIONS; do
+    echo "=== $s" | tee "$OUT/$s.txt"
+    case $s in
+        trainer) $RUN bench/trainer.py --bare-adam ;;
+        trainer7b)
+            $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --warmup 1 --steps 3
+            $RUN bench/trainer.py --preset qwen2.5-7b --bare-adam --paths bare-adam --warmup 1 --steps 3 ;;
+        lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
+        offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
+        offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;
+        publish)
+            $RUN bench/publish.py --preset qwen2.5-1.5b
+            $RUN bench/publish.py --preset qwen2.5-7b --repeat 1 ;;
+        lora)
+            $RUN bench/publish.py --preset qwen2.5-1.5b --lora 16
+            $RUN bench/publish.py --preset qwen2.5-7b --lora 16 --repeat 1 ;;
+        reload)
+            python bench/reload.py --engine hf --lora 16 --preset qwen2.5-1.5b --repeat 3
+            python bench/reload.py --engine hf --lora 16 --preset qwen2.5-7b --repeat 2 ;;
+        buffer) python bench/buffer_io.py --shards 5 ;;
+        tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 ;;
+        *) echo "unknown section $s" ;;
+    esac 2>&1 | grep -v -i "warn" | tee -a "$OUT/$s.txt"
+done

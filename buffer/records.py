@@ -270,7 +270,10 @@ class LatestPointer(Record):
 
 class ManifestFile(_Strict):
     size: int = Field(ge=0)
+    # with chunk_bytes: sha256 over the sha256 digests of the file's chunk_bytes-sized pieces (buffer.weights);
+    # without (older manifests): the sha256 of the whole file
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    chunk_bytes: int | None = Field(None, ge=1)
 
 
 class WeightsManifest(Record):

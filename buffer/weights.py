@@ -3,13 +3,19 @@
 Publishing version V (trainer side, any number of ranks):
   1. every rank writes its files into ``staging_dir(layout, V)`` (same path on every rank),
   2. one rank calls ``commit_version``: it writes ``manifest.json`` last (version, step, dtype, every file with size
-     and sha256), renames the directory to ``weights/vXXXXXX`` and then replaces ``weights/LATEST`` atomically.
+     and digest), renames the directory to ``weights/vXXXXXX`` and then replaces ``weights/LATEST`` atomically.
 A publisher killed at any point leaves LATEST on the previous complete version.
 
 Reading (worker side): ``latest_version`` reads the small pointer file (cheap to poll on NFS), ``verify_version``
-checks the manifest against the files (sizes, then the sha256 of every file, hashed in parallel threads: hashlib
-releases the GIL), so a worker never loads a half-published or damaged version.  LATEST and the manifest are
-``records.LatestPointer`` / ``records.WeightsManifest``.
+checks the manifest against the files (sizes, then the digest of every file), so a worker never loads a
+half-published or damaged version.  LATEST and the manifest are ``records.LatestPointer`` /
+``records.WeightsManifest``.
+
+A file's digest is the sha256 over the sha256 digests of its consecutive ``DIGEST_CHUNK``-byte pieces (the manifest
+says so with ``chunk_bytes``), not the sha256 of the whole file: one sha256 stream runs at ~0.8 GB/s, so a 7B
+model's 14.5 GB took a worker 17 s to verify on every new version (measured on an H200 host), while pieces hash in
+parallel threads (hashlib releases the GIL) and both sides, the trainer while it writes and the worker before it
+loads, go as fast as the storage.  Manifests without ``chunk_bytes`` carry the plain sha256 and are checked as such.
 
 A version is full HF weights or, with LoRA (``model.lora.rank`` > 0), a peft adapter directory for the unchanged base
 model; its manifest names the base and ``base_model_hash`` of it, which a worker compares with its own base before it
@@ -23,7 +29,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +39,7 @@ from .records import LatestPointer, ManifestFile, RecordError, WeightsManifest, 
 
 MANIFEST = "manifest.json"
 HASH_THREADS = 8  # sha256 runs at ~1-2 GB/s per core: a few threads keep up with a parallel file system
+DIGEST_CHUNK = 64 << 20  # bytes per independently hashed piece of a weight file
 
 
 class WeightsError(RuntimeError):
@@ -91,6 +98,88 @@ def sha256_files(paths: list[Path]) -> list[str]:
         return list(pool.map(sha256_file, paths))
 
 
+def hash_threads(tasks: int) -> int:
+    return max(1, min(tasks, HASH_THREADS, os.cpu_count() or 1))
+
+
+def _sha256_parts(parts: list[memoryview]) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _digest_of(piece_digests: list[bytes]) -> str:
+    return hashlib.sha256(b"".join(piece_digests)).hexdigest()
+
+
+def _hash_piece(path: Path, offset: int, length: int, block: int = 8 << 20) -> bytes:
+    h = hashlib.sha256()
+    buf = bytearray(min(block, max(length, 1)))
+    view = memoryview(buf)
+    with naming(path), open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        while length > 0:
+            n = os.preadv(fd, [view[: min(length, len(buf))]], offset)
+            if n == 0:
+                break  # shorter than its size a moment ago: the digest will not match
+            h.update(view[:n])
+            offset, length = offset + n, length - n
+    return h.digest()
+
+
+def file_digests(paths: list[Path], chunk: int | None = None) -> list[str]:
+    """The manifest digest of each file (sha256 over the sha256 digests of its ``chunk``-byte pieces; one empty piece
+    for an empty file), every piece of every file hashed in parallel threads; ``chunk`` defaults to
+    ``DIGEST_CHUNK``."""
+    chunk = chunk or DIGEST_CHUNK
+    pieces = []
+    for i, p in enumerate(paths):
+        size = retry_transient(p.stat).st_size
+        pieces += [(i, p, off, min(chunk, size - off)) for off in range(0, max(size, 1), chunk)]
+    with ThreadPoolExecutor(hash_threads(len(pieces))) as pool:
+        digests = list(pool.map(lambda t: _hash_piece(t[1], t[2], t[3]), pieces))
+    by_file: list[list[bytes]] = [[] for _ in paths]
+    for (i, *_), d in zip(pieces, digests, strict=True):
+        by_file[i].append(d)
+    return [_digest_of(ds) for ds in by_file]
+
+
+def digest_as(path: Path, chunk_bytes: int | None) -> str:
+    """``path``'s digest in the form of a manifest entry with this ``chunk_bytes`` (None: the plain sha256)."""
+    return sha256_file(path) if chunk_bytes is None else file_digests([path], chunk_bytes)[0]
+
+
+class StreamDigest:
+    """The manifest digest of a file written as a stream of blocks, its pieces hashed in ``pool``'s threads.
+
+    Blocks must stay unchanged until ``hexdigest`` returns (the writer's staged host memory does)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, chunk: int | None = None):
+        self.pool, self.chunk = pool, chunk or DIGEST_CHUNK
+        self._parts: list[memoryview] = []
+        self._fill = 0
+        self._pieces: list[Future[bytes]] = []
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(len(data), self.chunk - self._fill)
+            self._parts.append(data[:take])
+            self._fill += take
+            data = data[take:]
+            if self._fill == self.chunk:
+                self._piece()
+
+    def _piece(self) -> None:
+        self._pieces.append(self.pool.submit(_sha256_parts, self._parts))
+        self._parts, self._fill = [], 0
+
+    def hexdigest(self) -> str:
+        if self._parts or not self._pieces:
+            self._piece()
+        return _digest_of([f.result() for f in self._pieces])
+
+
 def commit_version(
     layout: RunLayout,
     version: int,
@@ -98,7 +187,7 @@ def commit_version(
     *,
     step: int,
     dtype: str,
-    file_sha256: dict[str, str] | None = None,
+    known_digests: dict[str, str] | None = None,
     kind: str = "full",
     adapter: str | None = None,
     base_model: str | None = None,
@@ -106,10 +195,11 @@ def commit_version(
 ) -> WeightVersion:
     """Seal ``staging`` as version ``version``: manifest last, rename, then LATEST.
 
-    ``file_sha256`` lets writers pass digests they computed while writing; missing ones are computed here.
+    ``known_digests`` lets writers pass digests they computed while writing (``StreamDigest``); missing ones are
+    computed here.
     ``kind``, ``adapter``, ``base_model`` and ``base_sha256`` go into the manifest (``records.WeightsManifest``).
     """
-    known = file_sha256 or {}
+    known = known_digests or {}
     paths = [p for p in sorted(staging.rglob("*")) if p.is_file() and p.name != MANIFEST]
     for p in paths:
         with naming(p), open(p, "rb+") as f:
@@ -118,9 +208,11 @@ def commit_version(
             os.fsync(f.fileno())
     rels = [str(p.relative_to(staging)) for p in paths]
     unknown = [p for p, rel in zip(paths, rels, strict=True) if not known.get(rel)]
-    computed = dict(zip(unknown, sha256_files(unknown), strict=True))
+    computed = dict(zip(unknown, file_digests(unknown), strict=True))
     files = {
-        rel: ManifestFile(size=p.stat().st_size, sha256=known.get(rel) or computed[p])
+        rel: ManifestFile(
+            size=p.stat().st_size, sha256=known.get(rel) or computed[p], chunk_bytes=DIGEST_CHUNK
+        )
         for p, rel in zip(paths, rels, strict=True)
     }
     if not any(name.endswith(".safetensors") for name in files):
@@ -173,8 +265,9 @@ def latest_version(layout: RunLayout) -> int:
 def verify_version(layout: RunLayout, version: int, *, checksums: bool = True) -> WeightVersion:
     """Check version ``version`` against its manifest; raise WeightsError naming what is wrong.
 
-    Sizes first (cheap, and they catch a version still being copied), then the sha256 of every file
-    (``checksums=False`` skips those: only for a caller that hashes the files itself).
+    Sizes first (cheap, and they catch a version still being copied), then the digest of every file
+    (``checksums=False`` skips those: only for a caller that hashes the files itself).  The digest is the one the
+    manifest names: pieces of ``chunk_bytes`` (``file_digests``), or without it the plain sha256 of older manifests.
     """
     path = layout.weight_version(version)
     try:
@@ -210,12 +303,23 @@ def _check_sha256(path: Path, manifest: WeightsManifest, seen: tuple) -> None:
     if key in _hash_failures:
         raise WeightsError(_hash_failures[key])
     rels = [rel for rel, *_ in seen]
-    for rel, digest in zip(rels, sha256_files([path / rel for rel in rels]), strict=True):
+    for rel, digest in zip(rels, _digests(path, manifest, rels), strict=True):
         if digest != manifest.files[rel].sha256:
             if len(_hash_failures) > 64:
                 _hash_failures.clear()
             _hash_failures[key] = f"{path / rel}: sha256 does not match the manifest (damaged or replaced)"
             raise WeightsError(_hash_failures[key])
+
+
+def _digests(path: Path, manifest: WeightsManifest, rels: list[str]) -> list[str]:
+    """Each file's digest in the form its manifest entry uses."""
+    out: dict[str, str] = {}
+    for chunk in {manifest.files[rel].chunk_bytes for rel in rels}:
+        mine = [rel for rel in rels if manifest.files[rel].chunk_bytes == chunk]
+        paths = [path / rel for rel in mine]
+        digests = sha256_files(paths) if chunk is None else file_digests(paths, chunk)
+        out.update(zip(mine, digests, strict=True))
+    return [out[rel] for rel in rels]
 
 
 def _weight_version(path: Path, manifest: WeightsManifest) -> WeightVersion:

@@ -13,18 +13,18 @@ Both only read the run: rollout workers and the trainer may keep running.  Outpu
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from buffer.config import ConfigError
 from buffer.fsio import fsync_dir, tmp_name
 from buffer.layout import RunLayout
 from buffer.run import open_run
 from buffer.shards import SUFFIX, ShardError, list_ready, read_shard
-from buffer.weights import MANIFEST, WeightsError, latest_version, manifest_of, verify_version
+from buffer.weights import MANIFEST, WeightsError, digest_as, latest_version, manifest_of, verify_version
 
 # Files a HF tokenizer directory may hold; copied from the run's tokenizer when a version carries none.
 TOKENIZER_FILES = (
@@ -49,18 +49,16 @@ def _fresh_out(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _copy_checked(src: Path, dest: Path, sha256: str | None) -> None:
-    """Copy ``src`` to ``dest`` hashing the bytes as they pass; a mismatch with the manifest is an ExportError."""
-    h = hashlib.sha256()
+def _copy_checked(src: Path, dest: Path, entry: dict[str, Any] | None) -> None:
+    """Copy ``src`` to ``dest`` (fsynced), then check the copy against its manifest ``entry``: a file replaced or
+    damaged meanwhile is an ExportError."""
     with open(src, "rb") as fin, open(dest, "wb") as fout:
-        while block := fin.read(8 << 20):
-            h.update(block)
-            fout.write(block)
+        shutil.copyfileobj(fin, fout, 8 << 20)
         fout.flush()
         os.fsync(fout.fileno())
-    if sha256 is not None and h.hexdigest() != sha256:
+    if entry is not None and digest_as(dest, entry.get("chunk_bytes")) != entry["sha256"]:
         raise ExportError(
-            f"{src}: sha256 changed while copying (does not match {MANIFEST}); run the export again"
+            f"{src}: changed while copying (its digest does not match {MANIFEST}); run the export again"
         )
 
 
@@ -91,7 +89,7 @@ def export_version(run_dir: Path, version: str, out: Path) -> Path:
     try:
         for rel, meta in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            _copy_checked(wv.path / rel, tmp / rel, meta.get("sha256"))
+            _copy_checked(wv.path / rel, tmp / rel, meta)
         _copy_checked(
             wv.path / MANIFEST, tmp / MANIFEST, None
         )  # provenance: version, step, every file's sha256

@@ -13,7 +13,7 @@ Called on every rank (``publish_weights``); nothing is gathered whole on one ran
 4. Each rank streams its buffer into its file (the header is known from the shapes up front; a writer thread and a
    hashing thread work side by side); rank 0 writes the index, ``config.json`` (dtype set to the publish dtype), the
    generation config and tokenizer files, and calls ``buffer.weights.commit_version`` (manifest last, rename,
-   LATEST) with every rank's sha256 (``write_staged``).  The trainer's loop runs this half in a thread, over a
+   LATEST) with every rank's file digest (``write_staged``).  The trainer's loop runs this half in a thread, over a
    process group of its own, while the next step computes.
 
 With LoRA (``trainer/lora.py``) a version is the adapter alone: ``adapter_config.json`` and
@@ -27,7 +27,6 @@ adapters on their unchanged base.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from buffer import weights
 from buffer.config import AdapterConfig
 from buffer.layout import RunLayout
 from buffer.plans import FencedError
@@ -247,36 +247,38 @@ def _header(items: list[_Item]) -> bytes:
 
 
 class _StreamWriter:
-    """Appends byte blocks to one file from a writer thread while a second thread hashes them (both drop the GIL)."""
+    """Appends byte blocks to one file from a writer thread while other threads hash its pieces (the manifest's
+    digest, ``buffer.weights.StreamDigest``; all drop the GIL)."""
 
     def __init__(self, path: Path):
         self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._sha = hashlib.sha256()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="publish-write")
-        self._hash = ThreadPoolExecutor(1, thread_name_prefix="publish-hash")
+        self._hash = ThreadPoolExecutor(weights.hash_threads(weights.HASH_THREADS), "publish-hash")
+        self._digest = weights.StreamDigest(self._hash)
         self._pending: list[Future[Any]] = []
 
     def append(self, block: torch.Tensor | bytes) -> list[Future[Any]]:
-        """Queue ``block`` (bytes, or a contiguous uint8 CPU tensor kept unchanged until the futures are done)."""
+        """Queue ``block`` (bytes, or a contiguous uint8 CPU tensor kept unchanged until ``close``)."""
         data = block.numpy().data if isinstance(block, torch.Tensor) else memoryview(block)
-        futures: list[Future[Any]] = [self._hash.submit(self._sha.update, data)]
+        self._digest.update(data.cast("B"))
+        futures: list[Future[Any]] = []
         for start in range(0, len(data), _WRITE_BLOCK):
             futures.append(self._io.submit(self._file.write, data[start : start + _WRITE_BLOCK]))
         self._pending.extend(futures)
         return futures
 
     def close(self) -> str:
-        """Wait for every block, fsync, close; return the file's sha256."""
+        """Wait for every block, fsync, close; return the file's digest."""
         try:
             for f in self._pending:
                 f.result()
             self._file.flush()
             os.fsync(self._file.fileno())
+            return self._digest.hexdigest()
         finally:
             self._io.shutdown()
             self._hash.shutdown()
             self._file.close()
-        return self._sha.hexdigest()
 
 
 def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) -> torch.Tensor:
@@ -348,7 +350,7 @@ def _stage_rank_bytes(
 
 
 def _write_rank_file(path: Path, header: bytes, host: torch.Tensor | None) -> str:
-    """Stream ``header`` and ``host`` into ``path`` (fsynced); the file's sha256."""
+    """Stream ``header`` and ``host`` into ``path`` (fsynced); the file's digest (the manifest's form)."""
     writer = _StreamWriter(path)
     writer.append(header)
     if host is not None and host.numel():
@@ -524,7 +526,7 @@ def _commit(staged: StagedVersion, digests: list[str | None]) -> None:
         staged.staging,
         step=staged.step,
         dtype=staged.dtype,
-        file_sha256=known,
+        known_digests=known,
         kind=staged.kind,
         adapter=staged.adapter_dir,
         **base,

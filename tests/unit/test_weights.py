@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import stat
@@ -96,6 +97,54 @@ def test_parallel_hashes_are_the_files_sha256(tmp_path):
     assert weights.sha256_file(paths[0], chunk=999) == hashlib.sha256(paths[0].read_bytes()).hexdigest()
 
 
+def _pieces_digest(data: bytes, chunk: int) -> str:
+    """The manifest's digest, computed plainly: sha256 over the sha256 digests of the pieces."""
+    pieces = [data[i : i + chunk] for i in range(0, max(len(data), 1), chunk)]
+    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+
+
+@pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 4321])
+def test_piece_digests_of_files_and_of_streams_agree(tmp_path, size):
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = os.urandom(size)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    want = _pieces_digest(data, 1000)
+    assert weights.file_digests([path, path], chunk=1000) == [want, want]
+    assert weights.digest_as(path, 1000) == want
+    assert weights.digest_as(path, None) == hashlib.sha256(data).hexdigest()
+    with ThreadPoolExecutor(3) as pool:
+        for cuts in ([], [7], [500, 1000, 1001], list(range(0, size, 333))):  # blocks across piece boundaries
+            stream = weights.StreamDigest(pool, chunk=1000)
+            edges = [0, *[c for c in cuts if 0 < c < size], size]
+            for a, b in itertools.pairwise(edges):
+                stream.update(memoryview(data)[a:b])
+            assert stream.hexdigest() == want, cuts
+
+
+def test_a_damaged_piece_in_the_middle_is_found_and_old_plain_manifests_still_verify(tmp_path, monkeypatch):
+    layout = make_layout(tmp_path)
+    monkeypatch.setattr(weights, "DIGEST_CHUNK", 4096)
+    data = os.urandom(5 * 4096 + 17)
+    v = _publish(layout, 1, data)
+    manifest = json.loads((v.path / "manifest.json").read_text())
+    assert manifest["files"]["model.safetensors"]["chunk_bytes"] == 4096
+    assert manifest["files"]["model.safetensors"]["sha256"] == _pieces_digest(data, 4096)
+    damaged = bytearray(data)
+    damaged[3 * 4096 + 5] ^= 1
+    (v.path / "model.safetensors").write_bytes(bytes(damaged))
+    with pytest.raises(weights.WeightsError, match="sha256 does not match"):
+        weights.verify_version(layout, 1)
+    # a manifest written before pieces: the whole file's sha256, no chunk_bytes
+    (v.path / "model.safetensors").write_bytes(data)
+    for entry, name in ((manifest["files"][n], n) for n in list(manifest["files"])):
+        entry.pop("chunk_bytes")
+        entry["sha256"] = hashlib.sha256((v.path / name).read_bytes()).hexdigest()
+    (v.path / "manifest.json").write_text(json.dumps(manifest))
+    assert weights.verify_version(layout, 1).version == 1
+
+
 def test_a_damaged_file_is_refused_until_it_changes_and_is_not_rehashed_meanwhile(tmp_path, monkeypatch):
     layout = make_layout(tmp_path)
     v = _publish(layout, 1, os.urandom(100))
@@ -104,7 +153,7 @@ def test_a_damaged_file_is_refused_until_it_changes_and_is_not_rehashed_meanwhil
     with pytest.raises(weights.WeightsError, match="sha256"):
         weights.verify_version(layout, 1)
     hashed = []
-    monkeypatch.setattr(weights, "sha256_file", lambda p, chunk=0: hashed.append(p) or "0" * 64)
+    monkeypatch.setattr(weights, "_hash_piece", lambda p, *_: hashed.append(p) or b"0" * 32)
     with pytest.raises(weights.WeightsError, match="sha256"):
         weights.verify_version(layout, 1)  # a worker polling every second: nothing changed, nothing hashed
     assert hashed == []
