@@ -192,6 +192,14 @@ class ModelConfig(_Section):
     tiny_init_std: float = Field(
         0.02, gt=0, description="Initializer std of the built-in tiny model (`tiny` / `tiny-tied` only)."
     )
+    tiny_pretrain_steps: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="Supervised steps on the other built-in task (mod_add for max_digit, and back) that pretrain "
+        "the built-in tiny model before the run, so that it knows the answer format as a pretrained base would; "
+        "LoRA on a random base cannot learn it (`shardrl demo --lora` uses 200).",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 

@@ -33,7 +33,11 @@ from .report import PlotsUnavailable, write_report
 from .runs import init_run
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
-LORA_LR = "1e-2"  # `--lora`: the learning rate of the adapters (the full model's is demo.toml's trainer.lr)
+# `--lora`: the adapters' learning rate (the full model's is demo.toml's trainer.lr), and the supervised steps on the
+# other built-in task that pretrain the random tiny base first (`model.tiny_pretrain_steps`): adapters on frozen
+# random embeddings cannot learn to answer with a digit, a pretrained base knows it
+LORA_LR = "5e-3"
+LORA_PRETRAIN_STEPS = "200"
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -127,8 +131,13 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
         extra.update({"data.task": args.task, "reward.function": args.task})
     if args.workers > 1:
         extra["run.max_workers"] = str(max(args.workers, 2))
-    if args.lora:  # adapters on the frozen random base need a larger step than full fine-tuning
-        extra = {"model.lora.rank": str(args.lora), "trainer.lr": LORA_LR, **extra}
+    if args.lora:
+        lora = {
+            "model.lora.rank": str(args.lora),
+            "trainer.lr": LORA_LR,
+            "model.tiny_pretrain_steps": LORA_PRETRAIN_STEPS,
+        }
+        extra = {**lora, **extra}
     return load_toml(DEMO_CONFIG, extra)
 
 

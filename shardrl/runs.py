@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from buffer.config import ShardRLConfig
+from buffer.config import ConfigError, ShardRLConfig
 from buffer.layout import RunLayout
 from buffer.run import Run
 from buffer.run import init_run as _contract_init_run
 
 
 def build_base_model(layout: RunLayout, cfg: ShardRLConfig) -> None:
-    from .tiny_model import build_tiny_model
+    from .tiny_model import build_tiny_model, pretrain
 
     build_tiny_model(
         layout.base_model,
@@ -19,6 +19,13 @@ def build_base_model(layout: RunLayout, cfg: ShardRLConfig) -> None:
         seed=cfg.run.seed,
         init_std=cfg.model.tiny_init_std,
     )
+    if cfg.model.tiny_pretrain_steps:
+        if cfg.data.task == "file":
+            raise ConfigError(
+                "model.tiny_pretrain_steps: needs a built-in task (data.task max_digit or mod_add), not a prompts file"
+            )
+        other = "mod_add" if cfg.data.task == "max_digit" else "max_digit"
+        pretrain(layout.base_model, other, cfg.model.tiny_pretrain_steps, seed=cfg.run.seed)
 
 
 def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:

@@ -196,3 +196,45 @@ def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0, init_std: 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def pretrain(model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float = 3e-3) -> None:
+    """Train the tiny model in ``model_dir`` (in place) for ``steps`` supervised steps on the answers of the
+    built-in ``task``: a base that has learnt to answer such prompts with a digit, as a pretrained model has seen
+    related tasks.  A random tiny base does not know that format, and LoRA adapters on its frozen embeddings cannot
+    teach it (``shardrl demo --lora`` pretrains on the task it does not train).  Deterministic for a ``seed``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout_worker.tasks import task_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    examples = task_prompts(task)
+    prompts = [tok(t.prompt)["input_ids"] for t in examples]
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError(f"{task}: prompts of unequal length; pretraining expects one length")
+    answers = torch.tensor([tok(t.answer)["input_ids"][0] for t in examples])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        ids = torch.tensor(prompts)
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(model(ids).logits[:, -1], answers)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    tmp = tmp_name(model_dir)
+    try:
+        model.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                chmod_file(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(f, model_dir / f.name)
+        fsync_dir(model_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -369,5 +369,48 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_at_another_world_size(
     assert manifests[0].adapter == "adapter" and (layout.weight_version(4) / "adapter").is_dir()
 
 
+def test_ppo_with_lora_actor_and_critic_trains_adapters_and_value_head_and_resumes(
+    tmp_path: Path, tiny_model_untied: Path
+) -> None:
+    """PPO with adapters on both bases: the critic checkpoints its adapters and value head only, both train, and a
+    second launch at another world size resumes them."""
+    from ._trainer_helpers import (
+        adam_steps,
+        checkpoint_tensors,
+        command,
+        make_run,
+        metrics,
+        run_ok,
+        synth,
+        trainer_args,
+    )
+
+    layout = make_run(
+        tmp_path / "run",
+        Path(tiny_model_untied),
+        algorithm__name="ppo",
+        model__lora__rank=RANK,
+        trainer__critic_lora__rank=4,
+        trainer__critic_lr=1e-2,
+        trainer__save_every=1,
+    )
+    synth(layout, shards=6, samples=32)
+    run_ok(command(1, *trainer_args(layout, "--max-steps", 2)), tmp_path / "one.log")
+    first = checkpoint_tensors(layout, 2, tmp_path)
+    critic = [k for k in first if k.startswith("critic.model.")]
+    assert critic and all(".lora_A." in k or ".lora_B." in k or "value_head" in k for k in critic), critic[:5]
+    assert any("value_head" in k for k in critic) and adam_steps(first, "critic") == {2}
+    recs = metrics(layout)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(r["critic_grad_norm"] > 0 for r in recs)
+    assert recs[0]["old_value_mean"] == 0.0 and recs[1]["old_value_mean"] != 0.0  # the value head learned
+
+    run_ok(command(2, *trainer_args(layout, "--max-steps", 1)), tmp_path / "two.log")
+    after = checkpoint_tensors(layout, 3, tmp_path)
+    assert sorted(k for k in after if k.startswith("critic.model.")) == sorted(critic)
+    assert adam_steps(after, "critic") == {3}
+    assert any(not torch.equal(first[k], after[k]) for k in critic if ".lora_B." in k)  # critic adapters moved
+
+
 if __name__ == "__main__":
     _trainer_side(Path(sys.argv[1]), sys.argv[2:])
