@@ -50,5 +50,5 @@ def test_pretraining_needs_a_built_in_task(tmp_path: Path) -> None:
             "reward": {"function": "exact_match"},
         }
     )
-    with pytest.raises(ConfigError, match="model.tiny_pretrain_steps"):
+    with pytest.raises(ConfigError, match=r"model\.tiny_pretrain_steps"):
         init_run(tmp_path / "run", cfg)
