@@ -409,7 +409,9 @@ def test_ppo_with_lora_actor_and_critic_trains_adapters_and_value_head_and_resum
     after = checkpoint_tensors(layout, 3, tmp_path)
     assert sorted(k for k in after if k.startswith("critic.model.")) == sorted(critic)
     assert adam_steps(after, "critic") == {3}
-    assert any(not torch.equal(first[k], after[k]) for k in critic if ".lora_B." in k)  # critic adapters moved
+    assert any(
+        not torch.equal(first[k], after[k]) for k in critic if ".lora_B." in k
+    )  # critic adapters moved
 
 
 if __name__ == "__main__":

@@ -33,8 +33,14 @@ def test_pretraining_teaches_the_answer_format_deterministically(tmp_path: Path)
     taught, again = shutil.copytree(base, tmp_path / "taught"), shutil.copytree(base, tmp_path / "again")
     pretrain(taught, "mod_add", 200, seed=3)
     own = float(_digit_probs(taught, "mod_add").sum(-1).mean())
-    after = _digit_probs(taught, "max_digit")  # the task it was not trained on: the format carries over in part
-    assert before < 0.1 and own > 0.8 and float(after.sum(-1).mean()) > 2 * before, (before, own, after.sum(-1))
+    after = _digit_probs(
+        taught, "max_digit"
+    )  # the task it was not trained on: the format carries over in part
+    assert before < 0.1 and own > 0.8 and float(after.sum(-1).mean()) > 2 * before, (
+        before,
+        own,
+        after.sum(-1),
+    )
     pretrain(again, "mod_add", 200, seed=3)
     assert torch.equal(_digit_probs(again, "max_digit"), after)
     assert not list(taught.glob(".tmp*")) and (taught / "tokenizer.json").is_file()
