@@ -11,11 +11,12 @@ directory: one rollout node supervisor with ``--workers`` workers and a one-proc
 ``CUDA_VISIBLE_DEVICES``.  The modes differ only in their staleness bounds and the backlog that follows from them:
 
 - ``sync``: rollout.max_staleness = trainer.max_staleness = 0.  Every consumed sample was generated with the
-  trainer's newest weights; the trainer waits for them.  Nothing holds a worker while the trainer trains, so what it
-  generates then is one version old when the step ends and is dropped (reported), and the first fresh batch starts
-  only when the batch in flight at the publish ends.  The backlog is unbounded (``Shape.backlog`` says why).
-  Because of that batch in flight, the JSON also gives a serial estimate: samples per step over (training time per
-  step + one worker batch), the time of a loop that generates, then trains.
+  trainer's newest weights; the trainer waits for them, and the workers wait while it trains a step that will
+  publish and while a new version is still being written (``rollout_worker/following.py``), so generation and
+  training alternate.  A batch a worker had started before the step began is one version old when it ends and is
+  dropped (reported).  The backlog is unbounded (``Shape.backlog`` says why).  The JSON also gives a serial
+  estimate: samples per step over (training time per step + one worker batch), the time of a loop that generates,
+  then trains.
 - ``K`` (1, 2, ...): both bounds K, and the workers may run up to K steps of samples ahead of the trainer.
 
 Measured over the steps after ``--warmup-steps`` (engine start and the first fill are left out), from the run's

@@ -99,10 +99,11 @@ def _parser() -> argparse.ArgumentParser:
         "--lora",
         type=int,
         nargs="?",
-        const=8,
+        const=16,
         default=0,
         metavar="RANK",
-        help="train LoRA adapters of rank RANK (default 8) on the frozen base instead of every weight",
+        help="train LoRA adapters of rank RANK (default 16) on the frozen base instead of every weight; the tiny "
+        "base is pretrained on the other task first (model.tiny_pretrain_steps)",
     )
     s.add_argument(
         "--steps", type=int, default=None, help="trainer steps (default from the packaged demo.toml)"
