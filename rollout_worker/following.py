@@ -57,39 +57,41 @@ class WeightFollower:
         self.bad: dict[int, str] = {}  # versions that failed to load, and why
         self._last_poll = -math.inf
 
-    def too_stale(self) -> bool:
+    def too_stale(self, step_ready: bool = False) -> bool:
+        """Whether a batch started now would be consumed more than ``max_staleness`` versions behind;
+        ``step_ready``: a whole trainer step of samples already waits unconsumed (see ``_versions_in_flight``)."""
         # A LATEST that failed to load (damaged, or naming a missing version) does not count: the newest version
         # that loads is the one we serve (``poll`` tried the older ones), and pausing for a version nobody can load
         # would leave the trainer waiting for samples forever; its next publish replaces LATEST.
         latest = self.version if self.latest in self.bad else self.latest
-        return latest + self._versions_in_flight() - self.version > self.max_staleness
+        return latest + self._versions_in_flight(step_ready) - self.version > self.max_staleness
 
-    def _versions_in_flight(self) -> int:
+    def _versions_in_flight(self, step_ready: bool = False) -> int:
         """How many versions newer than LATEST exist before a batch started now can be consumed: one being written
-        in the background (the trainer's ``publishing``), and one more while it computes a step that publishes.
+        in the background (the trainer's ``publishing``), and one more for the step that comes first: the one the
+        trainer computes, or the one a whole step of waiting samples will make (``step_ready``; the trainer may not
+        have noticed them yet).
 
-        A batch started now is consumed after the step in progress at the earliest, so it is judged against the
-        version that step publishes: with ``max_staleness = 0`` a worker waits for the new weights instead of
-        generating samples the trainer would drop (the synchronous mode), and with 1 it may start on the current
-        ones.  Without ``publish_every = 1`` the step in progress may not publish, and only a version being written
-        counts.
+        A batch started now is consumed after that step at the earliest, so it is judged against the version that
+        step publishes: with ``max_staleness = 0`` a worker waits for the new weights instead of generating samples
+        the trainer would drop (the synchronous mode), and with 1 it may start on the current ones.  Without
+        ``publish_every = 1`` that step may not publish, and only a version being written counts.
         """
         try:
             rec = load_trainer(self.layout)
         except (RecordError, OSError):
-            return 0
-        if rec is None:
-            return 0
-        newest = max(self.latest, rec.publishing or 0)
-        computing = self.publish_every == 1 and rec.state == "training"
-        return newest + int(computing) - self.latest
+            rec = None
+        newest = max(self.latest, (rec.publishing or 0) if rec is not None else 0)
+        next_step = step_ready or (rec is not None and rec.state == "training")
+        return newest + int(self.publish_every == 1 and next_step) - self.latest
 
-    def catch_up(self) -> bool:
-        """Poll (rate-limited); True when a batch may start, False while too stale even after a forced poll."""
+    def catch_up(self, step_ready: bool = False) -> bool:
+        """Poll (rate-limited); True when a batch may start, False while too stale even after a forced poll.
+        ``step_ready``: a whole trainer step of samples waits unconsumed (``too_stale``)."""
         self.poll()
-        if self.too_stale():
+        if self.too_stale(step_ready):
             self.poll(force=True)
-        return not self.too_stale()
+        return not self.too_stale(step_ready)
 
     def poll(self, *, force: bool = False) -> None:
         """Load the newest verified version newer than ours."""

@@ -174,10 +174,10 @@ class RolloutWorker:
     def _loop(self) -> None:
         assert self.weights is not None
         while not self.life.stop_requested:
-            if not self.weights.catch_up():
+            backlog = self._backlog()
+            if not self.weights.catch_up(step_ready=backlog >= self.cfg.trainer.samples_per_step):
                 self._pause("stale", latest_version=self.weights.latest)
                 continue
-            backlog = self._backlog()
             if backlog > self.cfg.rollout.max_backlog_samples:
                 self._pause("backlog", backlog=backlog)
                 continue

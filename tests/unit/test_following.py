@@ -88,6 +88,17 @@ def test_a_step_that_may_not_publish_still_counts_a_version_being_written(layout
     assert f.too_stale()
 
 
+def test_a_whole_step_waiting_counts_before_the_trainer_notices_it(layout: RunLayout) -> None:
+    """The trainer has not yet picked up the step's samples (still `waiting`, or not started at all): the step they
+    make will publish v4 before a batch started now is consumed."""
+    f = _follower(layout, max_staleness=0)
+    assert f.too_stale(step_ready=True)  # no trainer record yet
+    _trainer(layout, state="waiting", step=3)
+    assert not f.too_stale() and f.too_stale(step_ready=True)
+    assert not _follower(layout, max_staleness=1).too_stale(step_ready=True)
+    assert not _follower(layout, max_staleness=0, publish_every=2).too_stale(step_ready=True)
+
+
 def test_an_unreadable_trainer_record_counts_as_no_step_in_flight(layout: RunLayout) -> None:
     f = _follower(layout, max_staleness=0)
     layout.trainer_status.parent.mkdir(parents=True, exist_ok=True)
