@@ -286,7 +286,8 @@ def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) ->
     tensors of the bucket, whole and back to back in bucket order, as uint8 on ``device``."""
     by_dst: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for it in bucket:
-        by_dst[it.owner].append(_as_bytes(_local(it), it.dtype))
+        # to the device: with trainer.cpu_offload the shards live in host memory, the collective runs on the device
+        by_dst[it.owner].append(_as_bytes(_local(it), it.dtype).to(device, non_blocking=True))
     in_splits = [sum(b.numel() for b in blocks) for blocks in by_dst]
     mine = [it for it in bucket if it.owner == me]
     out_splits = [sum(it.rows[src] * it.row_bytes for it in mine) for src in range(world)]

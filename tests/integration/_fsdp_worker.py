@@ -64,6 +64,8 @@ def launch(args: list[str | Path], nproc: int, timeout_s: float = 600.0) -> floa
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # a rank that dies in C++ (abort) leaves its Python and C++ stacks in the failure message
+    env.update(PYTHONFAULTHANDLER="1", TORCH_SHOW_CPP_STACKTRACES="1")
     head = [sys.executable]
     if nproc > 1:
         head += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]

@@ -18,8 +18,12 @@ GRAD_SCRIPT = Path(__file__).with_name("_trainer_grad.py")
 
 
 @pytest.mark.slow
-def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path) -> None:
-    layout = make_run(tmp_path / "run", tiny_model_tied, trainer__save_every=2)
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "cpu-offload"])
+def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path, offload: bool) -> None:
+    # with trainer.cpu_offload the shards live in host memory: publishing and checkpointing read them from there
+    layout = make_run(
+        tmp_path / "run", tiny_model_tied, trainer__save_every=2, trainer__cpu_offload=str(offload).lower()
+    )
     synth(layout, shards=3, samples=32)
     cmd = command(2, "-m", "trainer", "--run-dir", layout.root, "--max-steps", 2)
     run_ok(cmd, tmp_path / "trainer.log")
