@@ -424,13 +424,15 @@ def run_steps(loop: Loop) -> None:
     t, state = loop.run.config.trainer, loop.state
     pad_id = int(getattr(loop.models.actor.config, "pad_token_id", None) or 0)
     done = 0  # steps trained by this invocation (steps of drops only do not count)
+    carried: dict[str, float] = {}  # the previous step's checkpoint time, logged with this step
     # trainer.total_steps is the run's budget, over every incarnation; max_steps bounds this one
     while (t.max_steps is None or done < t.max_steps) and state.step < t.total_steps:
         step = state.step + 1
         batch = feed(loop, step)
         if batch is None:
             break
-        times = dict(batch.timings)
+        times = {**batch.timings, **carried}
+        carried = {}
         last = (t.max_steps is not None and done + 1 == t.max_steps) or step == t.total_steps
         version = state.version
         m, times["compute"] = train_one(loop, step, batch, last, pad_id)
@@ -438,15 +440,15 @@ def run_steps(loop: Loop) -> None:
         state.advance(step, batch)
         if loop.versions.due(step, batch):
             times.update(loop.versions.publish(loop.models, state, final=last))
+        # The record goes before the checkpoint: a checkpointed step is never trained again, so a crash between
+        # the two would lose its record for good; the checkpoint's time is logged with the next step.
+        loop.report.step(step, step_metrics(batch, m, version, times), state, loop.feeder.counts())
         if loop.saver.due(step):
             t0 = time.monotonic()
-            times.update(
-                loop.versions.settle(loop.models, state)
-            )  # a checkpoint names committed versions only
+            carried = loop.versions.settle(loop.models, state)  # a checkpoint names committed versions only
             check_fence(loop.plan_log)
             loop.saver.save(loop.models, state)
-            times["checkpoint"] = time.monotonic() - t0
-        loop.report.step(step, step_metrics(batch, m, version, times), state, loop.feeder.counts())
+            carried["checkpoint"] = time.monotonic() - t0
     finish(loop, done)
 
 
