@@ -181,12 +181,7 @@ def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0, init_std: 
         model.save_pretrained(tmp)
         hf_tok.save_pretrained(tmp)
         for f in tmp.iterdir():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                chmod_file(fd)  # transformers writes model.safetensors 0600: unreadable to the run's group
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _seal(f)
         os.chmod(tmp, modes().dir)
         fsync_dir(tmp)
         if out.exists():
@@ -228,13 +223,19 @@ def pretrain(model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float
     try:
         model.save_pretrained(tmp)
         for f in tmp.iterdir():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                chmod_file(fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _seal(f)
             os.replace(f, model_dir / f.name)
         fsync_dir(model_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _seal(path: Path) -> None:
+    """Give a file the run's mode and make it durable (transformers writes model.safetensors 0600: unreadable to
+    the run's group)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chmod_file(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
