@@ -52,6 +52,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shapes import SHAPES
+
 from buffer.config import ConfigError, load_toml
 from buffer.layout import RunLayout
 from buffer.metrics import read_all
@@ -77,6 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
     p.add_argument(
         "--model", default=None, help="tiny, tiny-tied or a HF model directory (default: demo.toml's)"
+    )
+    p.add_argument(
+        "--shape",
+        default=None,
+        choices=sorted(SHAPES),
+        help="build a random model of this bench/shapes.py shape with the demo's tokenizer and run on it (--model "
+        "is then ignored): a published model's compute on the demo task",
     )
     p.add_argument(
         "--response-length", type=int, default=None, help="max response tokens (default: demo.toml's)"
@@ -541,6 +550,7 @@ def settings(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
     return {
         "engine": args.engine,
         "model": args.model or "demo.toml's",
+        "shape": args.shape,
         "workers": args.workers,
         "trainer_device": args.trainer_device,
         "worker_device": args.worker_device,
@@ -575,6 +585,19 @@ def measure_mode(args: argparse.Namespace, shape: Shape, root: Path, bound: int)
         return {**head, "error": str(e).splitlines()[0]}
 
 
+def build_shaped_model(name: str, out: Path) -> Path:
+    """A random model of the ``name`` shape with the tiny tokenizer (the demo task's tokens), built once for every
+    mode; the usual initializer range (0.02), as a model trained from scratch would start."""
+    from shardrl.tiny_model import build_tiny_model
+
+    shape = {k: v for k, v in SHAPES[name].items() if k not in ("vocab_size", "tie_word_embeddings")}
+    tied = bool(SHAPES[name]["tie_word_embeddings"])
+    t0 = time.perf_counter()
+    path = build_tiny_model(out, tied=tied, seed=0, init_std=0.02, shape=shape)
+    print(f"e2e: built a random {name}-shaped model ({time.perf_counter() - t0:.0f} s): {path}", flush=True)
+    return path
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # unwinds through run_mode, which stops the children
 
@@ -592,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="shardrl-e2e-", dir=args.dir))
     results: dict[str, dict[str, Any]] = {}
     try:
+        if args.shape is not None:
+            args.model = str(build_shaped_model(args.shape, base / f"model-{args.shape}"))
         for name, bound in args.mode_list:
             print(f"e2e: mode {name}: {args.steps} steps of {shape.samples_per_step} samples ...", flush=True)
             results[name] = measure_mode(args, shape, base / f"run-{name}", bound)

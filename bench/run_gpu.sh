@@ -12,12 +12,16 @@
 #   lora         adapter vs merged full publish at the 1.5B and 7B shapes
 #   reload       hf-engine reload of full weights and of adapters at the 1.5B and 7B shapes
 #   buffer       shard I/O on the local disk
+#   e2e          bench/e2e.py, sync vs staleness 1 and 2: a random Qwen2.5-0.5B-shaped model with the demo's tokens,
+#                hf worker and trainer on GPUs of their own (trainer on GPU 0, worker on GPU 1) when there are two,
+#                both on GPU 0 when there is one.  E2E_WORKERS (1) workers share the worker GPU; E2E_MODES (sync,1,2);
+#                E2E_RESPONSE (32) response tokens
 #   tests        the gpu-marked tests
 # Each section writes OUT_DIR/SECTION.txt; a section that fails or runs out of memory does not stop the others.
 set -u
 OUT=${1:?usage: bench/run_gpu.sh OUT_DIR [SECTION...]}
 shift
-SECTIONS=${*:-trainer trainer7b lora7b offload offload7b publish lora reload buffer tests}
+SECTIONS=${*:-trainer trainer7b lora7b offload offload7b publish lora reload buffer e2e tests}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
@@ -44,6 +48,13 @@ for s in $SECTIONS; do
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-1.5b --repeat 3
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-7b --repeat 2 ;;
         buffer) python bench/buffer_io.py --shards 5 ;;
+        e2e)
+            W=$([ "$NGPU" -ge 2 ] && echo 1 || echo 0)
+            N=${E2E_WORKERS:-1}
+            DEV=cuda:$W; for ((i = 1; i < N; i++)); do DEV=$DEV,$W; done
+            python bench/e2e.py --engine hf --shape qwen2.5-0.5b --set model.dtype=bfloat16 --trainer-device cuda:0 \
+                --worker-device "$DEV" --workers "$N" --modes "${E2E_MODES:-sync,1,2}" \
+                --response-length "${E2E_RESPONSE:-32}" --samples-per-step 1024 --steps 5 --out "$OUT/e2e_w$N.json" ;;
         tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 ;;
         *) echo "unknown section $s" ;;
     esac 2>&1 | grep -v -i "warn" | tee -a "$OUT/$s.txt"

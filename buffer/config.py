@@ -322,7 +322,10 @@ class RolloutConfig(_Section):
         2, ge=0, description="Do not start a batch more than this many versions behind."
     )
     max_backlog_samples: int = Field(
-        4096, ge=1, description="Pause while the unconsumed backlog exceeds this."
+        4096,
+        ge=1,
+        description="Pause while the unconsumed backlog, plus the samples other workers are generating, exceeds "
+        "this (never below a trainer step's worth).",
     )
     weights_poll_s: float = Field(1.0, gt=0, description="How often to poll weights/LATEST between batches.")
     drain_deadline_s: float = Field(
@@ -613,7 +616,8 @@ GROUP_ALGORITHMS = frozenset({"grpo", "rloo"})  # advantages from a group of n s
 
 def _rule_backlog_fills_a_step(cfg: ShardRLConfig) -> str | None:
     # A worker starts a batch only while the backlog is at most max_backlog_samples, so with one worker the backlog
-    # never exceeds max_backlog_samples + one batch: below samples_per_step the trainer waits forever.
+    # never exceeds max_backlog_samples + one batch: below samples_per_step the bound could never hold, as workers
+    # keep generating until a step can fill (and older versions stalled there), so such a setting is refused.
     r, batch = cfg.rollout, cfg.rollout.prompts_per_batch * cfg.rollout.sampling.n
     if r.max_backlog_samples + batch >= cfg.trainer.samples_per_step:
         return None

@@ -116,6 +116,18 @@ def load_worker(layout: RunLayout, worker_id: str) -> WorkerStatus | None:
         return None
 
 
+def samples_in_flight(layout: RunLayout, *, besides: str, max_age_s: float) -> int:
+    """Samples the other live workers are generating or hold unpublished (their ``in_flight``): with the backlog,
+    what the trainer will have without a batch ``besides`` would start now.  A record older than ``max_age_s`` (a
+    worker that died mid-batch: its heartbeat stopped) no longer counts, so a dead worker's claim cannot hold the
+    others back for longer than that."""
+    return sum(
+        w.in_flight
+        for w in load_workers(layout).records
+        if w.id != besides and w.state in LIVE_STATES and w.age_s() < max_age_s
+    )
+
+
 def load_trainer(layout: RunLayout) -> TrainerStatus | None:
     """The trainer's record; None before a trainer has written one; RecordError when it is not a valid record."""
     try:

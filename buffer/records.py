@@ -167,6 +167,9 @@ class WorkerStatus(StatusRecord):
     last_reload_s: float | None = None
     paused_reason: Literal["stale", "backlog"] | None = None
     backlog: int | None = None
+    # Samples this worker is generating or holds unpublished: the other workers count them as on their way to the
+    # trainer when they decide whether a step is coming (``heartbeats.samples_in_flight``).
+    in_flight: int = Field(0, ge=0)
     prompt_source: str | None = None
     prompt_epoch: int = 0
     prompt_cursor: int = 0

@@ -7,7 +7,9 @@ Started by the node supervisor as its own process (one per leased worker slot)::
 and runnable by hand the same way.  The loop, between batches: follow the trainer's weight versions
 (``following``); refuse to start a batch while more than ``rollout.max_staleness`` versions behind (state ``paused``,
 reason ``stale``) or while the run's unconsumed backlog is above ``rollout.max_backlog_samples`` (reason
-``backlog``); generate n samples per prompt; score whole groups (``scoring``); publish whole groups as shards
+``backlog``); both count the samples the other workers are generating (their status records' ``in_flight``), so a
+fleet stops where one worker would, instead of overshooting by a batch per worker into samples the trainer drops as
+stale; generate n samples per prompt; score whole groups (``scoring``); publish whole groups as shards
 (``publishing``).
 
 How it ends (``lifecycle``): SIGTERM/SIGINT, or the supervisor dying, drains: the batch in flight is finished, every
@@ -38,7 +40,7 @@ from typing import Any
 from buffer import metrics
 from buffer.config import ConfigError, parse_overrides, resolve_dtype
 from buffer.control import LeaseWatch
-from buffer.heartbeats import load_worker, worker_status
+from buffer.heartbeats import load_worker, samples_in_flight, worker_status
 from buffer.records import RecordError
 from buffer.run import Run, open_run
 from buffer.shards import ShardWriter, new_incarnation
@@ -64,6 +66,10 @@ __all__ = ["EXIT_CRASH", "EXIT_LEASE", "EXIT_OK", "EXIT_USER", "USER_ERRORS", "p
 
 USER_ERRORS = (ConfigError, PromptError, RewardConfigError, EngineError)
 PAUSE_S = 0.5  # a paused worker looks again this often (or at every weights poll, when that is sooner)
+# Another worker's in-flight samples count while its record is younger than this many heartbeats plus the clock
+# skew between nodes (records carry the writer's wall clock).
+IN_FLIGHT_BEATS = 5
+CLOCK_SKEW_S = 10.0
 log = logging.getLogger("shardrl.rollout")
 
 
@@ -173,16 +179,21 @@ class RolloutWorker:
 
     def _loop(self) -> None:
         assert self.weights is not None
+        step = self.cfg.trainer.samples_per_step
         while not self.life.stop_requested:
             backlog = self._backlog()
-            if not self.weights.catch_up(step_ready=backlog >= self.cfg.trainer.samples_per_step):
+            # What the trainer will have without a batch of ours: the backlog and the other workers' batches.
+            coming = backlog + self._in_flight_elsewhere()
+            if not self.weights.catch_up(step_ready=coming >= step):
                 self._pause("stale", latest_version=self.weights.latest)
                 continue
-            if backlog > self.cfg.rollout.max_backlog_samples:
+            # Below a step's worth nothing pauses: whatever the bound, the trainer must be able to fill a step.
+            if coming > self.cfg.rollout.max_backlog_samples and coming >= step:
                 self._pause("backlog", backlog=backlog)
                 continue
             self._batch(backlog)
             self._publish()
+            self._set_in_flight(self.publisher.pending_samples)
 
     def _finish(self) -> int:
         """The loop stopped: publish what is complete (unless the slot is no longer ours), state ``stopped``."""
@@ -285,6 +296,7 @@ class RolloutWorker:
         # The cursor moves before generating: a batch that kills the engine is skipped after a restart.
         self._set(
             state="running",
+            in_flight=self.publisher.pending_samples + len(prompts) * self.cfg.rollout.sampling.n,
             paused_reason=None,
             backlog=backlog,
             prompt_source=self._source_key(self.stream.prompts),
@@ -372,6 +384,19 @@ class RolloutWorker:
             self.counters["shards"] = self.publisher.shards
             self._set(shards=self.publisher.shards)
 
+    def _in_flight_elsewhere(self) -> int:
+        """Samples the other workers of the run are generating (a record of a worker that stopped beating for
+        IN_FLIGHT_BEATS heartbeats, plus clock skew between nodes, no longer counts)."""
+        age = IN_FLIGHT_BEATS * self.cfg.run.heartbeat_interval_s + CLOCK_SKEW_S
+        try:
+            return samples_in_flight(self.layout, besides=self.worker_id, max_age_s=age)
+        except OSError:
+            return 0  # the status directory unreadable for a moment: judge by the backlog alone
+
+    def _set_in_flight(self, samples: int) -> None:
+        if self.status.record.get("in_flight") != samples:
+            self._set(in_flight=samples)
+
     def _backlog(self) -> int:
         """Samples the trainer has not consumed yet: the run's (all workers together) plus what waits here."""
         return self.backlog.read().unconsumed_samples + self.publisher.pending_samples
@@ -382,7 +407,7 @@ class RolloutWorker:
         rec = self.status.record
         if rec.get("state") != "paused" or rec.get("paused_reason") != reason:
             log.info("%s: paused (%s)", self.worker_id, reason)
-        self._set(state="paused", paused_reason=reason, **fields)
+        self._set(state="paused", paused_reason=reason, in_flight=self.publisher.pending_samples, **fields)
         end = time.monotonic() + min(self.cfg.rollout.weights_poll_s, PAUSE_S)
         while time.monotonic() < end and not self.life.stop_requested:
             time.sleep(0.05)

@@ -131,8 +131,19 @@ def _as_qwen2_tokenizer(tok):  # tokenizers.Tokenizer -> transformers.Qwen2Token
     )
 
 
-def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0, init_std: float = INIT_STD) -> Path:
+def build_tiny_model(
+    out: Path,
+    *,
+    tied: bool = False,
+    seed: int = 0,
+    init_std: float = INIT_STD,
+    shape: dict[str, int] | None = None,
+) -> Path:
     """Build the tiny model and tokenizer into ``out`` (HF format, float32) and return ``out``.
+
+    ``shape`` replaces the decoder's size (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``intermediate_size``) while the tokenizer, and so the vocabulary, stays the tiny one:
+    a model of a published model's compute with the built-in tasks' tokens, for benchmarks that run the demo task.
 
     Deterministic: the same ``seed`` and ``tied`` give the same files.  The directory appears complete or not at all
     (built beside it, then renamed); an existing non-empty ``out`` is an error.  ``init_std`` is the initializer
@@ -149,13 +160,21 @@ def build_tiny_model(out: Path, *, tied: bool = False, seed: int = 0, init_std: 
     tok = _train_tokenizer(TARGET_VOCAB)
     eos_id = tok.token_to_id(EOS)
     im_end_id = tok.token_to_id(IM_END)
-    config = Qwen2Config(
-        vocab_size=tok.get_vocab_size(),
+    size: dict[str, Any] = dict(
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
+    )
+    if shape is not None:
+        unknown = set(shape) - set(size)
+        if unknown:
+            raise ValueError(f"tiny model shape: unknown key(s) {sorted(unknown)}; accepted: {sorted(size)}")
+        size |= shape
+    config = Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        **size,
         max_position_embeddings=MAX_POSITIONS,
         initializer_range=init_std,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

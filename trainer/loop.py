@@ -196,7 +196,10 @@ class Reporter:
         except OSError as e:
             self.error(f"metrics not written: {e}")
         log.info(step_line(step, metrics))
-        self.status("training", state, counts)
+        # The step is computed: from here until the next one starts, no step is on its way.  A synchronous worker
+        # waits while the record says "training" (rollout_worker/following.py), so saying so any longer would hold
+        # every worker back until the feeder's first status round, a second per step.
+        self.status("waiting", state, counts, waiting=f"samples of step {step + 1}")
 
     def close(self) -> None:
         if self.sink is not None:

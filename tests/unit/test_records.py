@@ -171,6 +171,26 @@ def test_a_supervisor_can_rewrite_a_worker_record_it_read(tmp_path: Path) -> Non
     assert after is not None and (after.state, after.samples, after.gave_up) == ("failed", 3, "restarts")
 
 
+def test_samples_in_flight_count_the_other_live_workers_with_fresh_records(tmp_path: Path) -> None:
+    """What a worker counts as on its way to the trainer: the other workers' ``in_flight``, not its own, not a
+    stopped worker's, and not that of a worker whose record stopped being written (it died mid-batch)."""
+    layout = make_layout(tmp_path)
+    heartbeats.worker_status(layout, "w0", slot=0).update(state="running", in_flight=100)  # the asker
+    heartbeats.worker_status(layout, "w1", slot=1).update(state="running", in_flight=32)
+    heartbeats.worker_status(layout, "w2", slot=2).update(state="paused", in_flight=8)  # unpublished groups
+    heartbeats.worker_status(layout, "w3", slot=3).update(state="stopped", in_flight=16)
+    heartbeats.worker_status(layout, "w4", slot=4).update(state="running", in_flight=64)
+    dead = json.loads(layout.worker_status("w4").read_text())
+    dead["updated_at"] -= 120.0
+    layout.worker_status("w4").write_text(json.dumps(dead))
+
+    assert heartbeats.samples_in_flight(layout, besides="w0", max_age_s=60.0) == 32 + 8
+    assert heartbeats.samples_in_flight(layout, besides="w1", max_age_s=60.0) == 100 + 8
+    assert heartbeats.samples_in_flight(layout, besides="w0", max_age_s=600.0) == 32 + 8 + 64
+    with pytest.raises(RecordError, match="in_flight"):
+        heartbeats.worker_status(layout, "w5", slot=5).update(in_flight=-1)
+
+
 def test_status_listing_reports_bad_records_and_keeps_the_good_ones(tmp_path: Path) -> None:
     layout = make_layout(tmp_path)
     heartbeats.worker_status(layout, "w0", slot=0).update(state="running", weights_version=1)
