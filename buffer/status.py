@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,13 @@ class Backlog:
     consumed_samples: int  # in a valid plan: trained, or dropped as too stale
     dropped_samples: int  # the part of consumed_samples that was dropped as too stale
     unconsumed_samples: int  # ready and not consumed: what the trainer can still use
+    # The highest step with a valid plan: a trainer plans the step it computes and, meanwhile, the next one, so
+    # steps up to here will publish weights before samples that are not yet in a plan are used.  Not a count of
+    # samples: neither compared nor reported with them.
+    planned_step: int = field(default=0, compare=False)
 
     def as_counts(self) -> dict[str, int]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if k != "planned_step"}
 
 
 class BacklogCounter:
@@ -57,7 +61,8 @@ class BacklogCounter:
         is reported there and not counted."""
         ready = shards.ready_sample_count(shards.list_ready(self.layout))
         consumed = dropped = 0
-        for f in plans.valid_plan_files(self.layout).values():
+        files = plans.valid_plan_files(self.layout)
+        for f in files.values():
             counts = self._plan_counts.get(f.path)
             if counts is None:
                 try:
@@ -74,7 +79,7 @@ class BacklogCounter:
             consumed += counts[0]
             dropped += counts[1]
         # max(): a shard quarantined after it was consumed (fsck --repair) leaves ready below consumed
-        return Backlog(ready, consumed, dropped, max(0, ready - consumed))
+        return Backlog(ready, consumed, dropped, max(0, ready - consumed), planned_step=max(files, default=0))
 
 
 def backlog(layout: RunLayout) -> Backlog:

@@ -181,10 +181,11 @@ class RolloutWorker:
         assert self.weights is not None
         step = self.cfg.trainer.samples_per_step
         while not self.life.stop_requested:
-            backlog = self._backlog()
+            run_backlog = self.backlog.read()  # the run's unconsumed samples, and the trainer's plans
+            backlog = run_backlog.unconsumed_samples + self.publisher.pending_samples  # plus what waits here
             # What the trainer will have without a batch of ours: the backlog and the other workers' batches.
             coming = backlog + self._in_flight_elsewhere()
-            if not self.weights.catch_up(step_ready=coming >= step):
+            if not self.weights.catch_up(coming // step, run_backlog.planned_step):
                 self._pause("stale", latest_version=self.weights.latest)
                 continue
             # Below a step's worth nothing pauses: whatever the bound, the trainer must be able to fill a step.
@@ -396,10 +397,6 @@ class RolloutWorker:
     def _set_in_flight(self, samples: int) -> None:
         if self.status.record.get("in_flight") != samples:
             self._set(in_flight=samples)
-
-    def _backlog(self) -> int:
-        """Samples the trainer has not consumed yet: the run's (all workers together) plus what waits here."""
-        return self.backlog.read().unconsumed_samples + self.publisher.pending_samples
 
     def _pause(self, reason: str, **fields: Any) -> None:
         """Wait a little without generating; what is buffered is complete, so it is published first."""

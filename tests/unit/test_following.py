@@ -92,11 +92,34 @@ def test_a_whole_step_waiting_counts_before_the_trainer_notices_it(layout: RunLa
     """The trainer has not yet picked up the step's samples (still `waiting`, or not started at all): the step they
     make will publish v4 before a batch started now is consumed."""
     f = _follower(layout, max_staleness=0)
-    assert f.too_stale(step_ready=True)  # no trainer record yet
+    assert f.too_stale(waiting_steps=1)  # no trainer record yet
     _trainer(layout, state="waiting", step=3)
-    assert not f.too_stale() and f.too_stale(step_ready=True)
-    assert not _follower(layout, max_staleness=1).too_stale(step_ready=True)
-    assert not _follower(layout, max_staleness=0, publish_every=2).too_stale(step_ready=True)
+    assert not f.too_stale() and f.too_stale(waiting_steps=1)
+    assert not _follower(layout, max_staleness=1).too_stale(waiting_steps=1)
+    assert not _follower(layout, max_staleness=0, publish_every=2).too_stale(waiting_steps=1)
+
+
+def test_steps_planned_ahead_and_steps_queued_add_up(layout: RunLayout) -> None:
+    """While step 4 computes, the trainer has planned step 5 from the backlog (prefetch): those samples left the
+    backlog, yet their step publishes before a batch started now is used; and a whole step still queued behind
+    them publishes one more."""
+    _trainer(layout, state="training", step=3)
+    f1 = _follower(layout, max_staleness=1)
+    assert not f1.too_stale(planned_step=4)  # only the step that computes: consumed one version behind
+    assert f1.too_stale(planned_step=5)  # and the one planned meanwhile: two behind
+    assert f1.too_stale(waiting_steps=1, planned_step=4)  # or a whole step queued before ours
+    f2 = _follower(layout, max_staleness=2)
+    assert not f2.too_stale(waiting_steps=1, planned_step=4)
+    assert f2.too_stale(waiting_steps=1, planned_step=5)
+    # a trainer that has just finished step 3 with step 4 already planned starts it at once
+    _trainer(layout, state="waiting", step=3)
+    assert _follower(layout, max_staleness=0).too_stale(planned_step=4)
+    assert not _follower(layout, max_staleness=0).too_stale(planned_step=3)
+    # a restarted trainer replaying old plans: at most two planned steps count
+    assert not _follower(layout, max_staleness=2).too_stale(planned_step=40)
+    # every other step publishes: four steps ahead make two versions
+    assert _follower(layout, max_staleness=1, publish_every=2).too_stale(waiting_steps=2, planned_step=5)
+    assert not _follower(layout, max_staleness=2, publish_every=2).too_stale(waiting_steps=2, planned_step=5)
 
 
 def test_an_unreadable_trainer_record_counts_as_no_step_in_flight(layout: RunLayout) -> None:

@@ -234,15 +234,18 @@ def test_backlog_counts_ready_consumed_dropped_and_unconsumed(tmp_path: Path) ->
     )
     counter = BacklogCounter(layout)
     log = plans.PlanLog.claim(layout)
+    assert counter.read().planned_step == 0
     log.write_plan(1, ["a"], a[:4], dropped_ids=a[4:6])
     assert counter.read() == Backlog(14, 6, 2, 8)
+    assert counter.read().planned_step == 1
     # a zombie incarnation's plan written after a newer one claimed is not consumption
     new = plans.PlanLog.claim(layout)
     records.create_record(
         layout.plan(2, log.epoch), records.Plan(step=2, epoch=log.epoch, shards=["b"], sample_ids=b)
     )
-    assert counter.read() == Backlog(14, 6, 2, 8)
+    assert counter.read() == Backlog(14, 6, 2, 8) and counter.read().planned_step == 1
     new.write_plan(2, ["b"], b[:4])
+    assert counter.read().planned_step == 2
     assert counter.read() == backlog(layout) == Backlog(14, 10, 2, 4)
     # what the trainer writes into its status record: every count is a field of it
     heartbeats.trainer_status(layout, epoch=new.epoch).update(state="training", **counter.read().as_counts())
