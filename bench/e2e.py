@@ -4,6 +4,7 @@
     python bench/e2e.py --modes sync,1,2 --steps 12 --out e2e.json
     python bench/e2e.py --engine hf --model PATH --response-length 256 --samples-per-step 256 \\
         --trainer-device cuda:0 --worker-device cuda:1 --set model.dtype=bfloat16
+    python bench/e2e.py --engine hf --shape qwen2.5-0.5b --workers 3 --worker-device cuda:1,1,1 ...
 
 For each mode, a fresh run directory made by ``shardrl init`` from the packaged demo.toml with overrides (the same
 seed, prompts, batch shape and step count in every mode), then the processes the demo starts, meeting only in that
