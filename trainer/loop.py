@@ -188,7 +188,10 @@ class Reporter:
         except OSError as e:  # the status record is for people: a full disk must not stop training
             log.warning("status record not written: %s", e)
 
-    def step(self, step: int, metrics: dict[str, Any], state: TrainState, counts: dict[str, int]) -> None:
+    def step(
+        self, step: int, metrics: dict[str, Any], state: TrainState, counts: dict[str, int], next_wait: str
+    ) -> None:
+        """Log ``step``'s metrics and line; the record then says the trainer waits, for ``next_wait``."""
         if self.sink is None:
             return
         try:
@@ -199,7 +202,7 @@ class Reporter:
         # The step is computed: from here until the next one starts, no step is on its way.  A synchronous worker
         # waits while the record says "training" (rollout_worker/following.py), so saying so any longer would hold
         # every worker back until the feeder's first status round, a second per step.
-        self.status("waiting", state, counts, waiting=f"samples of step {step + 1}")
+        self.status("waiting", state, counts, waiting=next_wait)
 
     def close(self) -> None:
         if self.sink is not None:
@@ -445,13 +448,16 @@ def run_steps(loop: Loop) -> None:
             times.update(loop.versions.publish(loop.models, state, final=last))
         # The record goes before the checkpoint: a checkpointed step is never trained again, so a crash between
         # the two would lose its record for good; the checkpoint's time is logged with the next step.
-        loop.report.step(step, step_metrics(batch, m, version, times), state, loop.feeder.counts())
-        if loop.saver.due(step):
+        saving, next_samples = loop.saver.due(step), f"samples of step {step + 1}"
+        next_wait = f"checkpoint of step {step}" if saving else next_samples
+        loop.report.step(step, step_metrics(batch, m, version, times), state, loop.feeder.counts(), next_wait)
+        if saving:
             t0 = time.monotonic()
             carried = loop.versions.settle(loop.models, state)  # a checkpoint names committed versions only
             check_fence(loop.plan_log)
             loop.saver.save(loop.models, state)
             carried["checkpoint"] = time.monotonic() - t0
+            loop.report.status("waiting", state, loop.feeder.counts(), waiting=next_samples)
     finish(loop, done)
 
 

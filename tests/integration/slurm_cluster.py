@@ -135,7 +135,7 @@ class SlurmCluster:
             return
         self._started = False
         if self._procs.get("slurmctld") is not None and self._procs["slurmctld"].poll() is None:
-            self._cancel_all_jobs()
+            self.cancel_all_jobs()
             self.run("scontrol", "shutdown", check=False, timeout=10)
         for proc in self._procs.values():
             _stop(proc, grace=10)
@@ -285,6 +285,9 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_min_interval=100000
 DependencyParameters=kill_invalid_depend
+# A requeued job waits out the job credential's lifetime before it may start again (120 s by default); a minute
+# keeps the requeue tests well inside their waits.
+AuthInfo=cred_expire=60
 # Lets a virtual node declare more CPUs, memory and GPUs than this machine has.
 SlurmdParameters=config_overrides
 MpiDefault=none
@@ -344,7 +347,8 @@ PartitionName=a100 Nodes={all_nodes} Default=NO MaxTime=INFINITE State=UP
             time.sleep(0.2)
         raise TimeoutError(f"timed out waiting for {what}\n{self.log_tail()}")
 
-    def _cancel_all_jobs(self) -> None:
+    def cancel_all_jobs(self) -> None:
+        """scancel every job in the queue and wait (KillWait plus slack) until none is left."""
         ids = self.run("squeue", "-h", "-o", "%A", check=False, timeout=10).stdout.split()
         if not ids:
             return

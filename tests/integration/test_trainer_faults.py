@@ -247,11 +247,14 @@ def test_enospc_while_checkpointing_keeps_training_and_saves_once_space_is_back(
     proc = start(command(1, *trainer_args(layout, "--max-steps", 3)), log)
     try:
         wait_for(f"two steps trained\n{tail(log)}", lambda: len(metrics(layout)) == 2, 180)
-        wait_for("the wait for step 3", lambda: _status(layout).get("waiting") is not None, 60)
-        status = _status(layout)
-        assert (
-            "checkpoint of step 2 failed" in status["last_error"] and "No space left" in status["last_error"]
+        wait_for(
+            "the failed checkpoint of step 2 reported",
+            lambda: "checkpoint of step 2 failed" in (_status(layout).get("last_error") or ""),
+            60,
         )
+        wait_for("the wait for step 3", lambda: _status(layout).get("state") == "waiting", 60)
+        status = _status(layout)
+        assert "No space left" in status["last_error"] and status["waiting"] is not None
         assert latest_complete_checkpoint(layout) is None
         assert not [
             p for p in layout.checkpoints.iterdir() if p.name.startswith("step-")

@@ -101,6 +101,6 @@ def test_after_a_step_the_trainer_record_says_no_step_is_on_its_way(tmp_path: Pa
     rec = load_trainer(run.layout)
     assert rec is not None and rec.state == "training"
 
-    report.step(3, {"samples": 8, "loss": 0.1}, state, {})
+    report.step(3, {"samples": 8, "loss": 0.1}, state, {}, "checkpoint of step 3")
     rec = load_trainer(run.layout)
-    assert rec is not None and (rec.state, rec.step, rec.waiting) == ("waiting", 3, "samples of step 4")
+    assert rec is not None and (rec.state, rec.step, rec.waiting) == ("waiting", 3, "checkpoint of step 3")
