@@ -87,10 +87,8 @@ class WeightFollower:
             rec = load_trainer(self.layout)
         except (RecordError, OSError):
             rec = None
-        if rec is None:
-            return (
-                waiting_steps // self.publish_every
-            )  # no trainer yet: the waiting samples make its first steps
+        if rec is None:  # no trainer yet: the waiting samples make its first steps
+            return waiting_steps // self.publish_every
         newest = max(self.latest, rec.publishing or 0)
         planned = min(MAX_PLANNED_AHEAD, max(0, planned_step - rec.step))
         steps = max(planned, int(rec.state == "training")) + waiting_steps
