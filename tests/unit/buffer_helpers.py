@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from buffer.config import ShardRLConfig
 from buffer.layout import RunLayout
 
 
@@ -12,6 +14,17 @@ def make_layout(tmp_path: Path) -> RunLayout:
     layout = RunLayout.of(tmp_path / "run")
     layout.create()
     return layout
+
+
+def stub_config(tmp_path: Path, **sections: dict[str, Any]) -> ShardRLConfig:
+    """A config whose model is a directory with a bare config.json (enough for ``init_run``, nothing loads it),
+    plus ``sections`` (e.g. ``run={...}``)."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    return ShardRLConfig.model_validate(
+        {"model": {"path": str(model)}, "reward": {"function": "max_digit"}, **sections}
+    )
 
 
 def sample(

@@ -23,7 +23,7 @@ from buffer.layout import RunLayout
 from buffer.records import LatestPointer, RecordError, read_record
 from buffer.run import init_run, open_run
 
-from .buffer_helpers import sample
+from .buffer_helpers import sample, stub_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("buffer", "trainer", "rollout_worker", "shardrl", "bench")
@@ -173,17 +173,8 @@ def restore_modes() -> Iterator[None]:
     os.umask(umask)
 
 
-def _model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"vocab_size": 100}))
-    return d
-
-
 def _config(tmp_path: Path, **run: object) -> ShardRLConfig:
-    return ShardRLConfig.model_validate(
-        {"model": {"path": str(_model_dir(tmp_path))}, "reward": {"function": "max_digit"}, "run": run}
-    )
+    return stub_config(tmp_path, run=dict(run))
 
 
 def _use_the_run(layout: RunLayout, run_id: str) -> None:

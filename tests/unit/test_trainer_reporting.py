@@ -3,10 +3,8 @@ at start (trainer/versions.py): LATEST is believed only when it names a version 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from buffer.config import ShardRLConfig
 from buffer.heartbeats import load_trainer
 from buffer.layout import RunLayout
 from buffer.run import init_run
@@ -16,7 +14,7 @@ from trainer.loop import PHASES, Reporter, TrainState, step_metrics
 from trainer.metrics import step_line
 from trainer.versions import highest_version_dir, latest_problem, starting_version
 
-from .buffer_helpers import make_layout
+from .buffer_helpers import make_layout, stub_config
 
 
 def test_step_line_shows_loss_grad_norm_lr_time_and_memory() -> None:
@@ -84,17 +82,7 @@ def test_a_latest_naming_a_missing_version_is_not_adopted(tmp_path: Path) -> Non
 def test_after_a_step_the_trainer_record_says_no_step_is_on_its_way(tmp_path: Path) -> None:
     """A synchronous worker waits while the record says "training"; once a step's metrics are logged none is
     computing, and the record must say so at once, not at the feeder's first status round a second later."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 100}))
-    cfg = ShardRLConfig.model_validate(
-        {
-            "model": {"path": str(model)},
-            "reward": {"function": "max_digit"},
-            "trainer": {"tensorboard": False},
-        }
-    )
-    run = init_run(tmp_path / "run", cfg)
+    run = init_run(tmp_path / "run", stub_config(tmp_path, trainer={"tensorboard": False}))
     state = TrainState(step=3, version=3)
     report = Reporter(run, epoch=1, state=state)
     report.status("training", state, {})
