@@ -448,7 +448,8 @@ def run_steps(loop: Loop) -> None:
             times.update(loop.versions.publish(loop.models, state, final=last))
         # The record goes before the checkpoint: a checkpointed step is never trained again, so a crash between
         # the two would lose its record for good; the checkpoint's time is logged with the next step.
-        saving, next_samples = loop.saver.due(step), f"samples of step {step + 1}"
+        saving = loop.saver.due(step)
+        next_samples = f"samples of step {step + 1}"
         next_wait = f"checkpoint of step {step}" if saving else next_samples
         loop.report.step(step, step_metrics(batch, m, version, times), state, loop.feeder.counts(), next_wait)
         if saving:
