@@ -58,7 +58,7 @@ from shapes import SHAPES
 from buffer.config import ConfigError, load_toml
 from buffer.layout import RunLayout
 from buffer.metrics import read_all
-from buffer.plans import valid_plans
+from buffer.plans import sample_ids_of, valid_plans
 
 POLL_S = 0.1  # how often this process samples the status records
 UNBOUNDED = 10**9  # a backlog bound no run reaches
@@ -404,7 +404,7 @@ def staleness(
         plan = plans[s]
         trainer_version = plan.extra.get("trainer_version", metrics.get(s, {}).get("version", s - 1))
         versions = shard_versions(layout, plan.shards, cache)
-        hist.update(int(trainer_version) - versions[sid] for sid in plan.sample_ids)
+        hist.update(int(trainer_version) - versions[sid] for sid in sample_ids_of(layout, plan))
     return hist
 
 
@@ -455,7 +455,7 @@ def trainer_idle(
 def measured_steps(metrics: dict[int, dict], plans: dict[int, Any], warmup: int) -> tuple[int, list[int]]:
     """The step the window opens on (the ``warmup``-th that trained samples) and the steps after it up to the last
     that trained; steps that only dropped stale samples fall in between and count for waits and drops."""
-    trained = [s for s in sorted(metrics) if s in plans and plans[s].sample_ids]
+    trained = [s for s in sorted(metrics) if s in plans and plans[s].samples]
     if len(trained) <= warmup:
         raise ModeFailed(f"{len(trained)} trained steps, not more than --warmup-steps {warmup}")
     first = trained[warmup - 1]
@@ -468,7 +468,7 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
     t0, t1 = stamp(metrics[first]), stamp(metrics[steps[-1]])
     if t0 is None or t1 is None or t1 <= t0:
         raise ModeFailed(f"no timestamps on the steps in {layout.metrics_file('trainer')}")
-    trained = [s for s in steps if plans[s].sample_ids]
+    trained = [s for s in steps if plans[s].samples]
     consumed = sum(len(plans[s].sample_ids) for s in steps)
     idle, idle_source = trainer_idle(metrics, steps, poller, t0, t1)
     workers = worker_figures(layout, poller, t0, t1)
@@ -489,8 +489,8 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
         if batch_s is None
         else consumed / len(trained) / (busy + batch_s),
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
-        "dropped_samples": sum(len(plans[s].dropped_ids) for s in steps),
-        "dropped_samples_all_steps": sum(len(p.dropped_ids) for p in plans.values()),
+        "dropped_samples": sum(plans[s].dropped for s in steps),
+        "dropped_samples_all_steps": sum(p.dropped for p in plans.values()),
     }
 
 

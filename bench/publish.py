@@ -22,6 +22,15 @@ in the compute dtype) and times, next to raw, the two versions a LoRA run publis
            the adapter), what every ``model.lora.merge_every`` versions and the end of a run cost;
 
 and prints full/adapter and the sizes.
+
+``--delta`` times delta versions (``trainer.publish_full_every`` > 1) against full ones, in the same run: it publishes
+a full base version (kept as the base, as the trainer does), then for each repetition takes one real AdamW step at
+``--lr`` (default 1e-6) on a random batch (fp32 master weights, published as ``--dtype``, bf16 by default, like the
+trainer) and publishes the same weights twice, in full and as a delta against the base.  For each it prints the
+bytes of the version's weight files, the publish time and the node reload time (``buffer.localcache.NodeCache``: copy
+from the run directory, verify, and for the delta rebuild the full files against the base, which a following node
+already holds; the engine's load of the rebuilt local files that follows is the same for both), each as a ratio
+delta/full.  Every rebuilt delta is checked to be byte-identical to its full twin.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shapes import SHAPES
 
-PRESETS = {k: SHAPES[k] for k in ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")}
+PRESETS = {k: SHAPES[k] for k in ("tiny", "qwen2-0.1b", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--bucket-mib", type=int, default=512, help="publish exchange bucket size")
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="time adapter publishes of this rank")
+    p.add_argument("--delta", action="store_true", help="time delta versions against full ones")
+    p.add_argument("--lr", type=float, default=1e-6, help="--delta: learning rate of the optimizer step")
     return p.parse_args(argv)
 
 
@@ -183,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     if lora is not None:
         lora_bench(actor, layout, args, lora, tied, src, raw_file, nbytes)
         return
+    if args.delta:
+        delta_bench(actor, layout, args, tied, src, cfg.vocab_size)
+        return
     publish(1)  # warm-up: communicators, pinned buffers, code paths
     times: dict[str, list[float]] = {"raw": [], "publish": [], "naive": []}
     for r in range(args.repeat):
@@ -255,6 +269,99 @@ def lora_bench(actor, layout, args, lora, tied: bool, src: Path, raw_file: Path,
             f"adapter/raw {best['adapter'] / best['raw']:.3f}   bytes full/adapter {sizes['full'] / sizes['adapter']:.0f}",
             flush=True,
         )
+        shutil.rmtree(args.dir / args.preset, ignore_errors=True)
+    tdist.teardown()
+
+
+def _step(actor, vocab: int, lr: float, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """One AdamW step on a random batch (every rank the same tokens): Adam moves every weight by about ``lr``."""
+    import torch
+
+    from trainer import dist as tdist
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, 32), generator=g).to(tdist.current_device())
+    opt = getattr(actor, "_bench_opt", None) or torch.optim.AdamW(actor.parameters(), lr=lr)
+    actor._bench_opt = opt
+    opt.zero_grad()
+    out = actor(ids)  # the actor's (logprobs, entropy) of each token
+    out[0].float().mean().backward()
+    opt.step()
+
+
+def _weight_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.iterdir() if p.name.endswith((".safetensors", ".xor.zst")))
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.glob("*.safetensors"))
+    return names == sorted(p.name for p in b.glob("*.safetensors")) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names
+    )
+
+
+def delta_bench(actor, layout, args, tied: bool, src: Path, vocab: int) -> None:  # type: ignore[no-untyped-def]
+    """Full vs delta versions of the same weights after each optimizer step: bytes, publish and reload times."""
+    from buffer.localcache import NodeCache
+    from trainer import dist as tdist
+    from trainer.publish import publish_weights
+
+    me = tdist.rank()
+
+    def publish(v: int, **kw) -> None:  # type: ignore[no-untyped-def]
+        publish_weights(actor, layout, v, v, dtype=args.dtype, tied=tied, src_model_dir=src, **kw)
+
+    publish(1, keep_base=True)  # the base, and the warm-up of the code paths
+    caches = args.dir / args.preset / "caches"
+    rows = []
+    v = 2
+    for r in range(args.repeat):
+        _step(actor, vocab, args.lr, seed=r)
+        t_full = timed(lambda v=v: publish(v))
+        t_delta = timed(lambda v=v: publish(v + 1, delta_base=1))
+        if me == 0:
+            full_cache = NodeCache(layout, caches / f"full-{r}")
+            start = time.perf_counter()
+            full_cache.materialise(v)
+            reload_full = time.perf_counter() - start
+            delta_cache = NodeCache(layout, caches / f"delta-{r}")
+            delta_cache.materialise(1)  # a following node holds the base already
+            before = delta_cache.shared_bytes_read
+            start = time.perf_counter()
+            rebuilt = delta_cache.materialise(v + 1)
+            reload_delta = time.perf_counter() - start
+            ok = _same_files(rebuilt.path, full_cache.path(v))
+            rows.append(
+                {
+                    "full_bytes": _weight_bytes(layout.weight_version(v)),
+                    "delta_bytes": _weight_bytes(layout.weight_version(v + 1)),
+                    "read_full": full_cache.shared_bytes_read,
+                    "read_delta": delta_cache.shared_bytes_read - before,
+                    "publish_full": t_full,
+                    "publish_delta": t_delta,
+                    "reload_full": reload_full,
+                    "reload_delta": reload_delta,
+                    "same": ok,
+                }
+            )
+            shutil.rmtree(caches, ignore_errors=True)
+        tdist.barrier()
+        v += 2
+    if me == 0:
+        print(f"delta vs full after one AdamW step at lr {args.lr:g}, published as {args.dtype}:")
+        print(
+            f"{'step':>4} {'full MiB':>9} {'delta MiB':>9} {'bytes d/f':>9} {'read d/f':>9} {'publish full s':>14} "
+            f"{'delta s':>8} {'pub d/f':>7} {'reload full s':>13} {'delta s':>8} {'reload d/f':>10}  same bytes"
+        )
+        for i, row in enumerate(rows, 1):
+            print(
+                f"{i:>4} {row['full_bytes'] / 2**20:>9.1f} {row['delta_bytes'] / 2**20:>9.2f} "
+                f"{row['delta_bytes'] / row['full_bytes']:>9.4f} {row['read_delta'] / row['read_full']:>9.4f} "
+                f"{row['publish_full']:>14.3f} {row['publish_delta']:>8.3f} "
+                f"{row['publish_delta'] / row['publish_full']:>7.3f} {row['reload_full']:>13.3f} "
+                f"{row['reload_delta']:>8.3f} {row['reload_delta'] / row['reload_full']:>10.3f}  {row['same']}",
+                flush=True,
+            )
         shutil.rmtree(args.dir / args.preset, ignore_errors=True)
     tdist.teardown()
 

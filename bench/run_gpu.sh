@@ -3,13 +3,16 @@
 #   bash bench/run_gpu.sh OUT_DIR [SECTION...]      (default: every section, in this order)
 # Sections:
 #   trainer      trainer step vs bare FSDP2 step, Qwen2.5-1.5B shape, bf16, every GPU
-#   trainer7b    the same at the Qwen2.5-7B shape (the trainer's AdamW state needs two GPUs: one runs out of memory)
+#   trainer7b    the same at the Qwen2.5-7B shape (a full AdamW step fits on one H200: 117.9 GiB at its peak)
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   offload      the 1.5B trainer step with trainer.cpu_offload, next to the same step without
 #   offload7b    the 7B trainer step with trainer.cpu_offload (16 bytes per parameter in host memory: 122 GB on one
 #                GPU's host, more than a 128 GB host has; 61 GB per rank on two GPUs)
 #   publish      publish vs naive vs the disk's parallel write limit, 1.5B and 7B shapes
 #   lora         adapter vs merged full publish at the 1.5B and 7B shapes
+#   delta        delta vs full versions after one AdamW step at lr 1e-6 (bf16 published): bytes, publish and node
+#                reload time as ratios delta/full, 1.5B and 7B shapes (7B: AdamW state needs two GPUs; needs the
+#                zstandard package, which the GPU image may lack: carry its wheel like pydantic's)
 #   reload       hf-engine reload of full weights and of adapters at the 1.5B and 7B shapes
 #   buffer       shard I/O on the local disk
 #   e2e          bench/e2e.py, sync vs staleness 1 and 2: a random Qwen2.5-0.5B-shaped model with the demo's tokens,
@@ -21,7 +24,7 @@
 set -u
 OUT=${1:?usage: bench/run_gpu.sh OUT_DIR [SECTION...]}
 shift
-SECTIONS=${*:-trainer trainer7b lora7b offload offload7b publish lora reload buffer e2e tests}
+SECTIONS=${*:-trainer trainer7b lora7b offload offload7b publish lora delta reload buffer e2e tests}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
@@ -44,6 +47,9 @@ for s in $SECTIONS; do
         lora)
             $RUN bench/publish.py --preset qwen2.5-1.5b --lora 16
             $RUN bench/publish.py --preset qwen2.5-7b --lora 16 --repeat 1 ;;
+        delta)
+            $RUN bench/publish.py --preset qwen2.5-1.5b --delta --repeat 2
+            $RUN bench/publish.py --preset qwen2.5-7b --delta --repeat 2 ;;
         reload)
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-1.5b --repeat 3
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-7b --repeat 2 ;;

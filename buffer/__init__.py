@@ -6,6 +6,9 @@ weights, control commands, leases and status records — is defined here.  This 
 and nothing heavy (no torch) at import time.
 """
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the run-directory layout (run.json, shard metadata).  2: every JSON record carries its own
-``schema_version`` and is read strictly (``buffer.records``)."""
+``schema_version`` and is read strictly (``buffer.records``).  3: shards live in time buckets
+(``shards/ready/bBBBBBBBB/``), plans name row ranges of shards instead of sample ids and live in step buckets
+(``plans/sSSSSS/``), with summaries that bound what a resumed trainer reads; workers judge the backlog from the
+trainer's record (``status/trainer.json``) instead of listing the run."""

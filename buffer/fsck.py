@@ -71,13 +71,16 @@ def _check_shards(
                 shards.quarantine(layout, s.name, e.reason)
                 rep.repaired.append(f"quarantined {s.name}")
     known = {s.name for s in shards.list_ready(layout)}
-    for p in layout.shards_ready.iterdir() if layout.shards_ready.is_dir() else []:
+    buckets = {layout.ready_bucket(b).name for b in shards.ready_buckets(layout)}
+    top = list(layout.shards_ready.iterdir()) if layout.shards_ready.is_dir() else []
+    inside = [p for d in top if d.name in buckets and d.is_dir() for p in d.iterdir()]
+    for p in [*(p for p in top if p.name not in buckets), *inside]:
         if not p.name.startswith(".") and p.name not in known:
-            rep.problems.append(f"shard {p.name}: not a shard name")
+            rep.problems.append(f"shard {p.name}: not a shard name (or in another bucket than its name says)")
 
 
 def _check_plans(layout: RunLayout, rep: FsckReport) -> None:
-    seen: dict[str, int] = {}
+    seen: dict[tuple[str, int], int] = {}
     try:
         valid = plans.valid_plans(layout, problems=rep.problems)
     except RecordError as e:  # an epoch claim: which plans are valid cannot be decided
@@ -85,10 +88,12 @@ def _check_plans(layout: RunLayout, rep: FsckReport) -> None:
         return
     for step, plan in sorted(valid.items()):
         rep.checked["plans"] += 1
-        for sid in [*plan.sample_ids, *plan.dropped_ids]:
-            if sid in seen:
-                rep.problems.append(f"plan step {step}: sample {sid} already consumed by step {seen[sid]}")
-            seen[sid] = step
+        for row in [*plan.rows(plan.takes), *plan.rows(plan.drops)]:
+            if row in seen:
+                rep.problems.append(
+                    f"plan step {step}: row {row[1]} of {row[0]} already consumed by step {seen[row]}"
+                )
+            seen[row] = step
         for name in plan.shards:
             if not layout.ready_shard(name).exists():
                 rep.problems.append(f"plan step {step}: shard {name} is not in shards/ready")

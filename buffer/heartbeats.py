@@ -10,6 +10,7 @@ problems next to the good ones, so one damaged file never hides the others.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ class StatusWriter(Generic[S]):
             raise RecordError(path, unknown[0], f"not a field of {kind.__name__} (misspelt?)")
         self.path = path
         self.kind = kind
+        self._lock = threading.Lock()  # the trainer's feed thread writes the same record as its loop
         self.record: dict[str, Any] = {
             "schema_version": kind.expected_version(),
             "host": HOST,
@@ -51,12 +53,18 @@ class StatusWriter(Generic[S]):
         }
 
     def update(self, **fields: Any) -> S:
-        merged = {**self.record, **fields, "beat": int(self.record["beat"]) + 1, "updated_at": time.time()}
-        rec = self.kind.validated(merged, self.path)
-        self.record = rec.to_json()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, self.record)
-        return rec
+        with self._lock:
+            merged = {
+                **self.record,
+                **fields,
+                "beat": int(self.record["beat"]) + 1,
+                "updated_at": time.time(),
+            }
+            rec = self.kind.validated(merged, self.path)
+            self.record = rec.to_json()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, self.record)
+            return rec
 
 
 def worker_status(layout: RunLayout, worker_id: str, **fields: Any) -> StatusWriter[WorkerStatus]:

@@ -10,9 +10,15 @@ Nobody formats a run-directory path by hand anywhere else.  The layout (also doc
       control/gen-XXXXXXXX.json  durable desired-worker state, one generation per applied/rejected command
       leases/slot-XXXX/GGGGGGGG.json  worker-slot leases held by node supervisors, one file per lease generation
       shards/tmp/              shards being written (temporaries)
-      shards/ready/            complete, published experience shards (Arrow IPC file format)
+      shards/ready/bBBBBBBBB/  complete, published experience shards (Arrow IPC file format), in time buckets of
+                               BUCKET_S seconds (the bucket is the first field of a shard's name): a poll lists only
+                               the buckets that can still change or still hold unconsumed samples
       shards/quarantine/       shards that failed validation, each with a .reason.json
-      plans/step-XXXXXXXX.eN.json  the trainer's consumption log (one plan per step, N = trainer epoch)
+      plans/sSSSSS/step-XXXXXXXX.eN.json  the trainer's consumption log (one plan per step, N = trainer epoch), in
+                               buckets of PLAN_BUCKET_STEPS steps; a plan names shards and row ranges
+      plans/summaries/step-XXXXXXXX.eN.json  the consumption log compacted up to a step: what a resumed trainer
+                               reads instead of every plan
+      plans/poisoned/step-XXXXXXXX.json  steps whose data failed the trainer (replayed without their samples)
       plans/epochs/XXXXXX.json trainer incarnations (fencing); XXXXXX.progress.json: the step each is planning
       weights/vXXXXXX/         published HF-format weight versions (manifest.json written last)
       weights/LATEST           atomic pointer to the newest complete version
@@ -21,16 +27,23 @@ Nobody formats a run-directory path by hand anywhere else.  The layout (also doc
       status/trainer.json      trainer status record
       checkpoints/step-XXXXXXXX/  DCP checkpoints; complete once COMMITTED exists
       metrics/*.jsonl          per-step metrics (trainer, rollout, eval)
-      logs/                    process logs
+      logs/NAME.log            process logs
+      tensorboard/             the trainer's TensorBoard events (trainer.tensorboard)
+      .init.lock               held by `shardrl init` while it creates the run
       base_model/              the base model when the config asks for the built-in tiny model
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .fsio import make_dirs
+
+BUCKET_S = 60  # seconds of publishing per shard bucket: a bucket of a busy run holds ~1k shards
+PLAN_BUCKET_STEPS = 1000  # plans per plan bucket (times the trainer incarnations that planned them)
+_BUCKET_RE = re.compile(r"^b(\d{9})\.")
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,11 @@ class RunLayout:
     @property
     def finished(self) -> Path:
         return self.root / "finished.json"
+
+    @property
+    def init_lock(self) -> Path:
+        """The lock `shardrl init` holds while it creates the run (two inits of one directory serialise on it)."""
+        return self.root / ".init.lock"
 
     @property
     def base_model(self) -> Path:
@@ -93,8 +111,13 @@ class RunLayout:
     def shards_quarantine(self) -> Path:
         return self.root / "shards" / "quarantine"
 
+    def ready_bucket(self, bucket: int) -> Path:
+        return self.shards_ready / f"b{bucket:09d}"
+
     def ready_shard(self, name: str) -> Path:
-        return self.shards_ready / name
+        """Where the shard called ``name`` is published: in the bucket its name begins with."""
+        m = _BUCKET_RE.match(name)
+        return (self.ready_bucket(int(m.group(1))) if m else self.shards_ready) / name
 
     def quarantined_shard(self, name: str) -> Path:
         return self.shards_quarantine / name
@@ -107,8 +130,25 @@ class RunLayout:
     def plans(self) -> Path:
         return self.root / "plans"
 
+    def plan_bucket(self, bucket: int) -> Path:
+        return self.plans / f"s{bucket:05d}"
+
     def plan(self, step: int, epoch: int) -> Path:
-        return self.plans / f"step-{step:08d}.e{epoch}.json"
+        return self.plan_bucket(step // PLAN_BUCKET_STEPS) / f"step-{step:08d}.e{epoch}.json"
+
+    @property
+    def summaries(self) -> Path:
+        return self.plans / "summaries"
+
+    def summary(self, step: int, epoch: int) -> Path:
+        return self.summaries / f"step-{step:08d}.e{epoch}.json"
+
+    @property
+    def poisoned(self) -> Path:
+        return self.plans / "poisoned"
+
+    def poisoned_step(self, step: int) -> Path:
+        return self.poisoned / f"step-{step:08d}.json"
 
     @property
     def epochs(self) -> Path:
@@ -127,6 +167,10 @@ class RunLayout:
 
     def weight_version(self, version: int) -> Path:
         return self.weights / f"v{version:06d}"
+
+    def weight_staging(self, version: int) -> Path:
+        """Where the trainer's ranks write version ``version`` before it is committed (see buffer/weights.py)."""
+        return self.weights / f".staging-v{version:06d}"
 
     @property
     def latest_pointer(self) -> Path:
@@ -174,6 +218,14 @@ class RunLayout:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    def log_file(self, name: str) -> Path:
+        """A process's log under logs/ (``rollout-w0-HOST``, ``demo-trainer``)."""
+        return self.logs / f"{name}.log"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
     @property
     def demo_summary(self) -> Path:
         return self.root / "demo_summary.json"
@@ -191,6 +243,8 @@ class RunLayout:
             self.shards_quarantine,
             self.plans,
             self.epochs,
+            self.summaries,
+            self.poisoned,
             self.weights,
             self.worker_status_dir,
             self.supervisor_status_dir,

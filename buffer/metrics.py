@@ -10,7 +10,6 @@ append starts a new line, so only the torn record is lost.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -18,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .logs import logger
+
 if TYPE_CHECKING:
     from .run import Run
 
-log = logging.getLogger(__name__)
+log = logger("metrics")
 
 TAIL_BLOCK = 1 << 16
 
@@ -83,6 +84,19 @@ def tail(path: Path, n: int, block: int = TAIL_BLOCK) -> list[dict[str, Any]]:
     finally:
         os.close(fd)
     return newest_first[::-1]
+
+
+def one_per_step(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One record per ``step``, the last one written, in step order (records without a step are left out).
+
+    A trainer that resumes from a checkpoint replays the steps after it and logs them again; the replay is what its
+    weights carry, so its record replaces the earlier one."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        step = rec.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step[step] = dict(rec)
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def last(path: Path) -> dict[str, Any] | None:
@@ -149,17 +163,23 @@ class WandbTarget:
     name: str
     dir: Path
     config: Mapping[str, Any] = field(default_factory=dict)
+    # Steps at or below this were logged already (by an earlier incarnation of the trainer): W&B cannot replace a
+    # row, so a replayed step is not logged twice.
+    logged_through: int = 0
 
 
 class WandbSink:
     """The numeric metrics of each record, plotted against ``step`` (trainer step, or the worker's own count)."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, logged_through: int = 0):
         self.run = run
+        self.logged_through = logged_through
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        if step <= self.logged_through:
+            return
         numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         # no step= argument: W&B refuses a step below one it has seen, and a restarted process may repeat steps
         self.run.log({**numbers, "step": step})
@@ -172,12 +192,18 @@ def wandb_target(run: Run, name: str) -> WandbTarget | None:
     """Process ``name``'s W&B target when the run asks for W&B (``run.wandb``), else None."""
     if not run.config.run.wandb:
         return None
+    logged = 0
+    if name == "trainer":  # trainer steps count across incarnations; a worker's own count restarts with it
+        logged = max(
+            (int(r["step"]) for r in one_per_step(read_all(run.layout.metrics_file(name)))), default=0
+        )
     return WandbTarget(
         project=run.config.run.wandb_project,
         group=run.run_id,
         name=name,
         dir=run.layout.logs,
         config=run.config.model_dump(mode="json"),
+        logged_through=logged,
     )
 
 
@@ -199,7 +225,7 @@ def wandb_sink(target: WandbTarget) -> WandbSink | None:
         config=dict(target.config),
         resume="allow",
     )
-    return WandbSink(run)
+    return WandbSink(run, target.logged_through)
 
 
 class Sinks:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .fsio import FileRefused, create_exclusive, json_bytes, read_capped, retry_transient, write_atomic
 
@@ -155,7 +155,7 @@ class StatusRecord(Record):
 class WorkerStatus(StatusRecord):
     """``status/workers/ID.json``: one rollout worker, written by the worker (and by its supervisor on giving up)."""
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     id: str
     slot: int = Field(ge=0)
     state: WorkerState = "starting"
@@ -170,6 +170,9 @@ class WorkerStatus(StatusRecord):
     # Samples this worker is generating or holds unpublished: the other workers count them as on their way to the
     # trainer when they decide whether a step is coming (``heartbeats.samples_in_flight``).
     in_flight: int = Field(0, ge=0)
+    # Samples this incarnation has published as shards: the trainer copies it into its record with the backlog it
+    # counted right after, so a worker can tell its own shards that count is not yet covering.
+    published_samples: int = Field(0, ge=0)
     prompt_source: str | None = None
     prompt_epoch: int = 0
     prompt_cursor: int = 0
@@ -182,6 +185,7 @@ class WorkerStatus(StatusRecord):
     dropped_too_long: int = 0
     dropped_reward_groups: int = 0
     dropped_reward_samples: int = 0
+    first_reward_error: str | None = None  # why the first group dropped for its reward was dropped
     dropped_bad_logprob_groups: int = 0
     errors: int = 0
     last_error: str | None = None
@@ -217,6 +221,14 @@ class SupervisorStatus(StatusRecord):
     )
 
 
+class FleetEntry(_Strict):
+    """One live worker as the trainer last read it (inside ``TrainerStatus.fleet``)."""
+
+    incarnation: str | None
+    in_flight: int = Field(ge=0)
+    published_samples: int = Field(ge=0)
+
+
 class TrainerStatus(StatusRecord):
     """``status/trainer.json``: the trainer's rank 0 (step, published version, the run's backlog counts)."""
 
@@ -237,6 +249,15 @@ class TrainerStatus(StatusRecord):
     consumed_samples: int = 0
     dropped_samples: int = 0
     unconsumed_samples: int = 0
+    # What rollout workers judge by, rewritten about once a second even during a long step (``feed_at``), so that
+    # no worker lists the run or reads the others' records: the highest planned step, the oldest shard bucket with
+    # unconsumed samples (``open_from``) and the samples consumed from that bucket on (``window_consumed``), and each
+    # live worker's ``in_flight`` and ``published_samples`` read *before* the backlog was counted (``fleet``).
+    planned_step: int = 0
+    open_from: int | None = None
+    window_consumed: int = 0
+    fleet: dict[str, FleetEntry] = Field(default_factory=dict)
+    feed_at: float | None = None
 
 
 class RunFinished(Record):
@@ -334,18 +355,74 @@ class Lease(Record):
 # ---------------------------------------------------------------------------------------------- consumption log
 
 
-class Plan(Record):
-    """``plans/step-XXXXXXXX.eE.json``: what trainer step ``step`` of incarnation ``epoch`` consumes."""
+RowRange = list[int]
+"""[index into a plan's ``shards``, first row, row after the last]: rows of one shard, in the plan's order."""
 
-    schema_version: Literal[1] = 1
-    max_bytes: ClassVar[int] = 64 << 20  # sample ids of a whole step
+
+class Plan(Record):
+    """``plans/sSSSSS/step-XXXXXXXX.eE.json``: what trainer step ``step`` of incarnation ``epoch`` consumes.
+
+    ``takes`` are the trained rows in training order and ``drops`` the rows dropped as too stale, as row ranges of
+    the shards named in ``shards`` (a step of whole groups is a few ranges a shard): a plan's size follows the
+    shards it touches, not the samples."""
+
+    schema_version: Literal[2] = 2
+    max_bytes: ClassVar[int] = 16 << 20
     step: int = Field(ge=1)
     epoch: int = Field(ge=1)
     shards: list[str]
-    sample_ids: list[str]
-    dropped_ids: list[str] = Field(default_factory=list)
+    takes: list[RowRange]
+    drops: list[RowRange] = Field(default_factory=list)
+    samples: int = Field(ge=0)
+    dropped: int = Field(0, ge=0)
     extra: dict[str, Any] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _ranges_fit(self) -> Plan:
+        for name, ranges in (("takes", self.takes), ("drops", self.drops)):
+            for r in ranges:
+                if len(r) != 3 or not 0 <= r[0] < len(self.shards) or not 0 <= r[1] < r[2]:
+                    raise ValueError(f"{name}: {r} is not [shard index, first row, after the last row]")
+        for name, ranges, n in (("samples", self.takes, self.samples), ("dropped", self.drops, self.dropped)):
+            if sum(b - a for _i, a, b in ranges) != n:
+                raise ValueError(f"{name} is {n}, its ranges hold {sum(b - a for _i, a, b in ranges)} rows")
+        return self
+
+    def rows(self, ranges: list[RowRange]) -> list[tuple[str, int]]:
+        """(shard, row) of every row of ``ranges`` (``takes`` or ``drops``), in order."""
+        return [(self.shards[i], r) for i, a, b in ranges for r in range(a, b)]
+
+
+class LogSummary(Record):
+    """``plans/summaries/step-XXXXXXXX.eE.json``: the consumption log up to ``step`` as trainer incarnation
+    ``epoch`` knew it.  Valid by the plans' rule (``buffer.plans``); a resumed trainer starts from the newest valid
+    one and reads only the plans after it.
+
+    ``open_from``: the oldest shard bucket that may hold unconsumed samples (every shard before it is consumed);
+    ``consumed``: the consumed rows of each shard from ``open_from`` on, as [first, after-last) ranges."""
+
+    schema_version: Literal[1] = 1
+    max_bytes: ClassVar[int] = 64 << 20
+    step: int = Field(ge=0)
+    epoch: int = Field(ge=1)
+    open_from: int = Field(ge=0)
+    consumed_samples: int = Field(ge=0)
+    dropped_samples: int = Field(ge=0)
+    trained_steps: int = Field(ge=0)
+    consumed: dict[str, list[list[int]]]
+    at: float = Field(default_factory=time.time)
+
+
+class PoisonedStep(Record):
+    """``plans/poisoned/step-XXXXXXXX.json``: a step whose data made the trainer fail (out of memory, a loss that
+    is not finite).  Its plan stays the record of what it consumed; a replay trains it without its samples."""
+
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=1)
+    epoch: int = Field(ge=1)
+    reason: str
+    at: float = Field(default_factory=time.time)
 
 
 class EpochClaim(Record):

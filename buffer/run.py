@@ -103,7 +103,7 @@ def init_run(root: str | Path, cfg: ShardRLConfig, build_base_model: BaseModelBu
     if layout.root.exists():
         check_permissions(layout)
     make_dirs(layout.root)
-    with FileLock(str(layout.root / ".init.lock"), mode=cfg.run.modes().file):
+    with FileLock(str(layout.init_lock), mode=cfg.run.modes().file):
         return _init_locked(layout, _absolutize(cfg), build_base_model)
 
 
@@ -152,7 +152,9 @@ def read_run_json(layout: RunLayout) -> dict[str, Any]:
         )
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise ConfigError(
-            f"{layout.run_json}: field schema_version is {meta.get('schema_version')!r}; this shardrl reads {SCHEMA_VERSION}"
+            f"{layout.run_json}: field schema_version is {meta.get('schema_version')!r}; this shardrl reads run layout "
+            f"{SCHEMA_VERSION} only: finish that run with the shardrl that made it, or start a new one with "
+            f"`shardrl init NEW_RUN --config {layout.config_json}`"
         )
     return meta
 

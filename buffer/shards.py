@@ -6,9 +6,15 @@ checksum of its own, so the CRC-32 of the whole file is part of the shard's name
 validation.  (CRC-32 detects every error burst up to 32 bits with certainty and runs at several GB/s, which keeps
 validation off the trainer's critical path; the threat is storage corruption, not an adversary.)
 
-Shard names ``<worker>.<incarnation>.<seq>.n<rows>.<crc32>.arrow`` never collide: the incarnation is random per
-process start, so a requeued Slurm job cannot reuse a name.  The row count in the name lets the backlog be counted
-from a directory listing without opening files.
+Shard names ``b<bucket>.<worker>.<incarnation>.<seq>.n<rows>.<crc32>.arrow`` never collide: the incarnation is
+random per process start, so a requeued Slurm job cannot reuse a name.  The row count in the name lets the backlog be
+counted from a directory listing without opening files.
+
+Buckets.  A shard is published into ``shards/ready/b<bucket>/``, the bucket being the publisher's wall clock at the
+rename divided by ``layout.BUCKET_S``.  Once a bucket is ``sealed`` (its time is past by more than SEAL_GRACE_S, which
+covers clock skew between nodes and a slow rename) no shard can appear in it any more, so its listing can be kept;
+only the last few buckets are listed again at each poll, whatever the run's length.  Nothing is ever moved between
+buckets, so no process (not even a fenced-out trainer) can hide samples from another.
 
 Reading tells storage from content.  A shard is read into memory with ``read()`` (never memory-mapped: a failed
 page-in of a mapped file is SIGBUS, which kills the reader instead of raising), so an I/O error is an OSError naming
@@ -40,13 +46,14 @@ import pyarrow.ipc as ipc
 from .fsio import (
     create_file,
     fsync_dir,
+    make_dirs,
     named,
     read_json_or_none,
     retry_transient,
     tmp_name,
     write_json_atomic,
 )
-from .layout import RunLayout
+from .layout import BUCKET_S, RunLayout
 from .schema import META_RUN_ID, OPTIONAL_NAMES, REQUIRED_NAMES, schema_problem, schema_with_metadata
 
 SUFFIX = ".arrow"
@@ -54,6 +61,27 @@ SUFFIX = ".arrow"
 LOGPROB_TOLERANCE = 1e-4
 # Reads of this size keep the CRC-32 of each piece in the CPU cache, so checking costs about the copy alone.
 READ_CHUNK = 16 << 20
+# A bucket whose time is past by this much takes no new shard: more than any clock skew between nodes plus the time
+# from a publisher's reading of its clock to its rename.
+SEAL_GRACE_S = 300.0
+
+
+def bucket_at(t: float) -> int:
+    return int(t // BUCKET_S)
+
+
+def first_bucket(layout: RunLayout) -> int:
+    """The oldest bucket a shard of this run can be in: its creation time, less the clock skew allowed."""
+    meta = read_json_or_none(layout.run_json)
+    created = meta.get("created_at") if isinstance(meta, dict) else None
+    if not isinstance(created, (int, float)):  # no creation time: the oldest bucket there is
+        return min(ready_buckets(layout), default=bucket_at(time.time() - SEAL_GRACE_S))
+    return max(0, bucket_at(created - SEAL_GRACE_S))
+
+
+def sealed(bucket: int, now: float) -> bool:
+    """Whether no shard can be published into ``bucket`` any more (``now``: this host's wall clock)."""
+    return now > (bucket + 1) * BUCKET_S + SEAL_GRACE_S
 
 
 class ShardError(ValueError):
@@ -67,6 +95,7 @@ class ShardError(ValueError):
 
 @dataclass(frozen=True)
 class ShardName:
+    bucket: int
     worker_id: str
     incarnation: str
     seq: int
@@ -75,17 +104,22 @@ class ShardName:
 
     @property
     def name(self) -> str:
-        return f"{self.worker_id}.{self.incarnation}.{self.seq:06d}.n{self.rows}.{self.crc:08x}{SUFFIX}"
+        return (
+            f"b{self.bucket:09d}.{self.worker_id}.{self.incarnation}.{self.seq:06d}.n{self.rows}."
+            f"{self.crc:08x}{SUFFIX}"
+        )
 
     @classmethod
     def parse(cls, name: str) -> ShardName | None:
         if not name.endswith(SUFFIX) or name.startswith("."):
             return None
         parts = name[: -len(SUFFIX)].split(".")
-        if len(parts) != 5 or not parts[3].startswith("n"):
+        if len(parts) != 6 or not parts[0].startswith("b") or not parts[4].startswith("n"):
             return None
         try:
-            return cls(parts[0], parts[1], int(parts[2]), int(parts[3][1:]), int(parts[4], 16))
+            return cls(
+                int(parts[0][1:]), parts[1], parts[2], int(parts[3]), int(parts[4][1:]), int(parts[5], 16)
+            )
         except ValueError:
             return None
 
@@ -200,7 +234,7 @@ def publish_shard(layout: RunLayout, table: pa.Table, worker_id: str, incarnatio
     retransmitted RENAME succeeded only replaces the shard with the same bytes under the same name.
     """
     final = retry_transient(lambda: _publish_once(layout, table, worker_id, incarnation, seq))
-    fsync_dir(layout.shards_ready)
+    fsync_dir(final.parent)
     return final
 
 
@@ -216,7 +250,10 @@ def _publish_once(layout: RunLayout, table: pa.Table, worker_id: str, incarnatio
                 crc = sink.finish()  # also when a write failed: its thread must not wait forever
             f.flush()
             os.fsync(f.fileno())
-        final = layout.ready_shard(ShardName(worker_id, incarnation, seq, table.num_rows, crc).name)
+        # the clock is read right before the rename: the bucket stays open far longer than that takes
+        name = ShardName(bucket_at(time.time()), worker_id, incarnation, seq, table.num_rows, crc).name
+        final = layout.ready_shard(name)
+        _ensure_bucket(final.parent)
         os.rename(tmp, final)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -227,14 +264,96 @@ def _publish_once(layout: RunLayout, table: pa.Table, worker_id: str, incarnatio
     return final
 
 
-def list_ready(layout: RunLayout) -> list[ShardName]:
-    """Complete shards in ready/, oldest sequence first per worker; foreign files are ignored."""
+_made_buckets: set[Path] = set()
+
+
+def _ensure_bucket(path: Path) -> None:
+    """The bucket directory, made once per process (a publisher writes many shards into each)."""
+    if path not in _made_buckets:
+        make_dirs(path)
+        _made_buckets.add(path)
+
+
+def ready_buckets(layout: RunLayout) -> list[int]:
+    """Every bucket of ready/ (a listing of the top level: for checks and tools, not for polls)."""
     try:
         names = os.listdir(layout.shards_ready)
     except FileNotFoundError:
         return []
-    parsed = [s for n in names if (s := ShardName.parse(n)) is not None]
+    return sorted(int(n[1:]) for n in names if n.startswith("b") and n[1:].isdigit())
+
+
+def list_bucket(layout: RunLayout, bucket: int) -> list[ShardName]:
+    """Complete shards of one bucket; foreign files are ignored, and so is a shard whose name says another bucket."""
+    try:
+        names = os.listdir(layout.ready_bucket(bucket))
+    except FileNotFoundError:
+        return []
+    return [s for n in names if (s := ShardName.parse(n)) is not None and s.bucket == bucket]
+
+
+def list_ready(layout: RunLayout, buckets: Iterable[int] | None = None) -> list[ShardName]:
+    """Complete shards in ready/ (of ``buckets``, or of every bucket), oldest sequence first per worker."""
+    chosen = ready_buckets(layout) if buckets is None else buckets
+    parsed = [s for b in chosen for s in list_bucket(layout, b)]
     return sorted(parsed, key=lambda s: (s.worker_id, s.incarnation, s.seq))
+
+
+SCAN_LIMIT = (
+    64  # buckets: past this many, ``BucketLister`` lists the top level instead of looking each one up
+)
+
+
+class BucketLister:
+    """Lists the ready buckets from ``first`` on, again and again, keeping the listing of every sealed bucket.
+
+    A poll costs one listing per bucket that can still change (the last ``SEAL_GRACE_S / BUCKET_S + 2`` or so),
+    whatever the run's length.  ``first`` only moves forward (``advance``): buckets before it hold nothing unconsumed.
+    Safe to share between threads.
+    """
+
+    def __init__(self, layout: RunLayout, first: int):
+        self.layout = layout
+        self.first = first
+        self._sealed: dict[int, list[ShardName]] = {}
+        self._lock = threading.Lock()
+
+    def advance(self, first: int) -> None:
+        with self._lock:
+            if first > self.first:
+                self.first = first
+                for b in [b for b in self._sealed if b < first]:
+                    del self._sealed[b]
+
+    def forget(self, name: str) -> None:
+        """A shard moved out of ready/ (quarantined): drop it from the kept listings."""
+        parsed = ShardName.parse(name)
+        with self._lock:
+            if parsed is not None and parsed.bucket in self._sealed:
+                self._sealed[parsed.bucket] = [s for s in self._sealed[parsed.bucket] if s.name != name]
+
+    def list(self, now: float | None = None) -> list[ShardName]:
+        now = time.time() if now is None else now
+        with self._lock:
+            first = self.first
+        out: list[ShardName] = []
+        last = bucket_at(now) + 1  # +1: a publisher whose clock runs ahead of ours
+        if last - first > SCAN_LIMIT:
+            # far behind (a trainer catching up on hours of shards): one listing of the top level finds the
+            # buckets that exist, instead of a lookup per bucket of every minute since
+            chosen = [b for b in ready_buckets(self.layout) if first <= b <= last]
+        else:
+            chosen = list(range(first, last + 1))
+        for b in chosen:
+            with self._lock:
+                kept = self._sealed.get(b)
+            if kept is None:
+                kept = list_bucket(self.layout, b)
+                if sealed(b, now):
+                    with self._lock:
+                        self._sealed[b] = kept
+            out.extend(kept)
+        return sorted(out, key=lambda s: (s.worker_id, s.incarnation, s.seq))
 
 
 def _read_file(path: Path) -> tuple[pa.Buffer, int]:
@@ -368,9 +487,10 @@ def quarantine(layout: RunLayout, name: str, reason: str) -> Path:
     """Move a bad shard out of ready/ with a reason file (the reason first: the move is the commit)."""
     write_json_atomic(layout.quarantine_reason(name), {"shard": name, "reason": reason, "at": time.time()})
     dest = layout.quarantined_shard(name)
+    source = layout.ready_shard(name)
     with contextlib.suppress(FileNotFoundError):
-        os.rename(layout.ready_shard(name), dest)
-    fsync_dir(layout.shards_ready)
+        os.rename(source, dest)
+    fsync_dir(source.parent)
     return dest
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from . import heartbeats, metrics, plans, shards, weights
@@ -31,9 +30,9 @@ from .records import (
 
 @dataclass(frozen=True)
 class Backlog:
-    """Samples of a run, counted from the shard names in ready/ and the valid plans."""
+    """Samples of a run, counted from the shard names in the open buckets of ready/ and the consumption log."""
 
-    ready_samples: int  # rows of the shards in shards/ready (quarantined shards are not there)
+    ready_samples: int  # published and not quarantined: consumed plus unconsumed
     consumed_samples: int  # in a valid plan: trained, or dropped as too stale
     dropped_samples: int  # the part of consumed_samples that was dropped as too stale
     unconsumed_samples: int  # ready and not consumed: what the trainer can still use
@@ -47,43 +46,41 @@ class Backlog:
 
 
 class BacklogCounter:
-    """Counts the backlog again and again, reading each plan file once (plans never change once written).
+    """Counts the backlog again and again from the consumption log (``plans.Consumption``: the newest valid summary,
+    then each plan once) and the listings of the buckets that may hold unconsumed samples.
 
-    A poll costs a listing of shards/ready, plans/ and plans/epochs plus the plans written since the last poll.
-    """
+    For views and tools; rollout workers read the trainer's record instead (``records.TrainerStatus``)."""
 
     def __init__(self, layout: RunLayout):
         self.layout = layout
-        self._plan_counts: dict[Path, tuple[int, int]] = {}  # plan file -> (consumed, dropped)
+        self._consumption: plans.Consumption | None = None
+        self._lister: shards.BucketLister | None = None
 
     def read(self, problems: list[str] | None = None) -> Backlog:
         """The backlog now.  A plan that is not a valid record raises RecordError, or, when ``problems`` is given,
         is reported there and not counted."""
-        ready = shards.ready_sample_count(shards.list_ready(self.layout))
-        consumed = dropped = 0
-        files = plans.valid_plan_files(self.layout)
-        for f in files.values():
-            counts = self._plan_counts.get(f.path)
-            if counts is None:
-                try:
-                    plan = plans.read_plan(f)
-                except RecordError as e:
-                    if problems is None:
-                        raise
-                    problems.append(str(e))
-                    continue
-                counts = self._plan_counts[f.path] = (
-                    len(plan.sample_ids) + len(plan.dropped_ids),
-                    len(plan.dropped_ids),
-                )
-            consumed += counts[0]
-            dropped += counts[1]
-        # max(): a shard quarantined after it was consumed (fsck --repair) leaves ready below consumed
-        return Backlog(ready, consumed, dropped, max(0, ready - consumed), planned_step=max(files, default=0))
+        if self._consumption is None:
+            self._consumption = plans.Consumption.load_lenient(
+                self.layout, shards.first_bucket(self.layout), problems
+            )
+            self._lister = shards.BucketLister(self.layout, self._consumption.open_from)
+        else:
+            self._consumption.catch_up(self.layout, problems)
+        c, lister = self._consumption, self._lister
+        assert lister is not None
+        listed = lister.list()
+        unconsumed = max(0, sum(s.rows for s in listed) - sum(c.consumed_in(s.name) for s in listed))
+        return Backlog(
+            c.consumed_samples + unconsumed,
+            c.consumed_samples,
+            c.dropped_samples,
+            unconsumed,
+            planned_step=c.step,
+        )
 
 
 def backlog(layout: RunLayout) -> Backlog:
-    """The backlog of ``layout`` now (reads every plan; a poller keeps a ``BacklogCounter`` instead)."""
+    """The backlog of ``layout`` now (a poller keeps a ``BacklogCounter`` instead)."""
     return BacklogCounter(layout).read()
 
 
@@ -148,16 +145,19 @@ def snapshot(layout: RunLayout) -> dict[str, Any]:
     control_problem = getattr(state, "problem", None)  # set while the newest control generation is unreadable
     if control_problem is not None:
         problems.append(str(control_problem))
-    ready = shards.list_ready(layout)
     try:
-        plan_steps = sorted(plans.valid_plan_files(layout))
-        counts = BacklogCounter(layout).read(problems)
+        counter = BacklogCounter(layout)
+        counts = counter.read(problems)
+        ready = counter._lister.list() if counter._lister is not None else []
+        plan_step = counts.planned_step
     except RecordError as e:  # an epoch claim: fencing, hence the plan counts, cannot be decided
         problems.append(str(e))
-        plan_steps, counts = [], None
+        plan_step, counts, ready = 0, None, []
     workers = heartbeats.load_workers(layout)
     supervisors = heartbeats.load_supervisors(layout)
     problems += workers.problems + supervisors.problems
+    supervised = _supervised(supervisors.records, settings)
+    worker_views = [_worker(w, settings, supervised) for w in workers.records]
     return {
         "run": str(layout.root),
         "finished": _finished(layout, problems),
@@ -168,20 +168,23 @@ def snapshot(layout: RunLayout) -> dict[str, Any]:
             "last_rejection": state.last_rejection,
             "pending": _pending_command(layout, state.history),
         },
-        "workers": [_worker(w, settings) for w in workers.records],
+        "running_workers": sum(w["state"] in _RUNNING for w in worker_views),
+        "workers_why": _workers_why(state.desired, worker_views, supervisors.records, settings),
+        "reward_failures": _reward_failures(worker_views),
+        "workers": worker_views,
         "supervisors": [_supervisor(s) for s in supervisors.records],
         "leases": {str(k): v.get("holder") for k, v in sorted(all_leases(layout).items())},
         **_weights(layout, problems),
-        "trainer": _trainer_view(_trainer(layout, problems), max(plan_steps, default=0), settings),
+        "trainer": _trainer_view(_trainer(layout, problems), plan_step, settings),
         "shards": {
-            "ready": len(ready),
+            "ready": len(ready),  # in the buckets that may hold unconsumed samples
             "ready_samples": shards.ready_sample_count(ready),
             "consumed_samples": counts.consumed_samples if counts else None,
             "dropped_samples": counts.dropped_samples if counts else None,
             "unconsumed_samples": counts.unconsumed_samples if counts else None,
             "quarantined": len(shards.quarantined(layout)),
         },
-        "plans": len(plan_steps),
+        "plans": plan_step,
         "eval": metrics.last(layout.metrics_file("eval")),  # the evaluator's latest score, None before one
         "problems": problems,
     }
@@ -223,10 +226,88 @@ def _supervisor(s: SupervisorStatus) -> dict[str, Any]:
     }
 
 
-def _worker(w: WorkerStatus, settings: dict[tuple[str, str], Any]) -> dict[str, Any]:
+# Worker states that count as running against the desired count (not starting, not stopped or failed).
+_RUNNING = frozenset({"running", "reloading", "paused"})
+
+
+def _live(s: SupervisorStatus, settings: dict[tuple[str, str], Any]) -> bool:
+    return s.state not in ("stopped",) and s.age_s() <= settings["run", "lease_timeout_s"]
+
+
+def _supervised(
+    supervisors: list[SupervisorStatus], settings: dict[tuple[str, str], Any]
+) -> dict[str, tuple[str, int]]:
+    """worker id -> (state, restarts) as the live supervisors see their workers."""
+    return {
+        w.worker_id: (w.state, w.restarts)
+        for s in supervisors
+        if _live(s, settings)
+        for w in s.workers.values()
+    }
+
+
+def _workers_why(
+    desired: int,
+    workers: list[dict[str, Any]],
+    supervisors: list[SupervisorStatus],
+    settings: dict[tuple[str, str], Any],
+) -> str | None:
+    """Why fewer workers run than desired, in the terms of what holds them back; None when none are missing."""
+    running = sum(w["state"] in _RUNNING for w in workers)
+    if running >= desired:
+        return None
+    live = [s for s in supervisors if _live(s, settings)]
+    if not live:
+        return "no node supervisor is running (start one per node: python -m rollout_worker --run-dir RUN)"
+    failed = {slot: err for s in live for slot, err in s.failed_slots.items()}
+    capacity = sum(s.capacity for s in live)
+    held = sum(len(s.slots) for s in live)
+    reasons = []
+    if capacity < desired:
+        reasons.append(
+            f"no supervisor has a free slot: {len(live)} supervisor(s) hold {capacity} slot(s) in all "
+            "(per node: rollout.max_local_workers, else one per GPU, else rollout.cpu_workers); start a supervisor "
+            "on another node or lower the desired count"
+        )
+    if failed:
+        slot, err = sorted(failed.items())[0]
+        reasons.append(
+            f"{len(failed)} slot(s) failed and are left alone for rollout.restart_window_s (slot {slot}: {err})"
+        )
+    starting = held - running
+    if starting > 0:
+        reasons.append(f"{starting} worker(s) starting or restarting")
+    return "; ".join(reasons) or f"{desired - running} worker(s) not started yet"
+
+
+def _reward_failures(workers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Groups dropped because their reward failed, over every worker, with the first worker's first error."""
+    hit = [w for w in workers if w["dropped_reward_groups"]]
+    if not hit:
+        return None
+    return {
+        "groups": sum(w["dropped_reward_groups"] for w in hit),
+        "samples": sum(w["dropped_reward_samples"] for w in hit),
+        "workers": [w["id"] for w in hit],
+        "first_error": next((w["first_reward_error"] for w in hit if w["first_reward_error"]), None),
+    }
+
+
+def _worker(
+    w: WorkerStatus,
+    settings: dict[tuple[str, str], Any],
+    supervised: dict[str, tuple[str, int]] | None = None,
+) -> dict[str, Any]:
+    seen = (supervised or {}).get(w.id)
+    # A worker that crashed records `failed` before it exits; while its supervisor restarts it, it is restarting.
+    restarting = w.state == "failed" and w.gave_up is None and seen is not None and seen[0] == "restarting"
     return {
         "id": w.id,
-        "state": w.state,
+        "state": "restarting" if restarting else w.state,
+        "restarts": seen[1] if seen else None,
+        "dropped_reward_groups": w.dropped_reward_groups,
+        "dropped_reward_samples": w.dropped_reward_samples,
+        "first_reward_error": w.first_reward_error,
         "weights_version": w.weights_version,
         "latest_version": w.latest_version,
         "heartbeat_age_s": w.age_s(),
@@ -248,8 +329,9 @@ def _paused_why(w: WorkerStatus, settings: dict[tuple[str, str], Any]) -> str:
     if w.paused_reason == "stale":
         bound = settings["rollout", "max_staleness"]
         return (
-            f"stale: weights {version_name(w.weights_version)} behind latest {version_name(w.latest_version)} "
-            f"by more than rollout.max_staleness {_n(bound)}"
+            f"stale: serving {version_name(w.weights_version)} (latest {version_name(w.latest_version)}); "
+            "counting the versions still to be trained before a new batch is consumed (steps in flight, samples "
+            f"queued ahead), it would be more than rollout.max_staleness {_n(bound)} behind"
         )
     return "paused"
 

@@ -20,6 +20,12 @@ loads, go as fast as the storage.  Manifests without ``chunk_bytes`` carry the p
 A version is full HF weights or, with LoRA (``model.lora.rank`` > 0), a peft adapter directory for the unchanged base
 model; its manifest names the base and ``base_model_hash`` of it, which a worker compares with its own base before it
 applies the adapter.
+
+A full version may also be stored as a *delta* against an earlier full version (``buffer/deltas.py``): its
+safetensors files are then XOR + zstd files and ``delta.json``, listed in the manifest like any file, names the base
+and the size and digest of every reconstructed file.  ``verify_version`` checks a delta's own files;
+``buffer/localcache.py`` turns it back into full files on a worker's node.  Retention keeps the base of every delta
+it keeps.
 """
 
 from __future__ import annotations
@@ -32,10 +38,14 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .fsio import chmod_file, fsync_dir, make_dirs, naming, retry_transient
 from .layout import RunLayout
 from .records import LatestPointer, ManifestFile, RecordError, WeightsManifest, read_record, write_record
+
+if TYPE_CHECKING:
+    from .deltas import DeltaRecord
 
 MANIFEST = "manifest.json"
 HASH_THREADS = 8  # sha256 runs at ~1-2 GB/s per core: a few threads keep up with a parallel file system
@@ -55,6 +65,7 @@ class WeightVersion:
     kind: str = "full"  # "full" | "adapter"
     adapter: Path | None = None  # the peft adapter directory of this version, if it has one
     base_sha256: str | None = None  # base_model_hash of the base the adapter applies to
+    base: int | None = None  # kind "delta": the full version the delta applies to
 
 
 def base_model_hash(model_dir: Path) -> str:
@@ -75,7 +86,7 @@ def base_model_hash(model_dir: Path) -> str:
 
 def staging_dir(layout: RunLayout, version: int) -> Path:
     """Where the ranks write version ``version`` before it is committed (deterministic: every rank agrees)."""
-    d = layout.weights / f".staging-v{version:06d}"
+    d = layout.weight_staging(version)
     make_dirs(d)
     return d
 
@@ -192,14 +203,26 @@ def commit_version(
     adapter: str | None = None,
     base_model: str | None = None,
     base_sha256: str | None = None,
+    delta: DeltaRecord | None = None,
 ) -> WeightVersion:
     """Seal ``staging`` as version ``version``: manifest last, rename, then LATEST.
 
     ``known_digests`` lets writers pass digests they computed while writing (``StreamDigest``); missing ones are
     computed here.
     ``kind``, ``adapter``, ``base_model`` and ``base_sha256`` go into the manifest (``records.WeightsManifest``).
+    ``delta``: the version is a delta (its delta files are in ``staging``); the record is written as
+    ``delta.json`` and sealed by the manifest with the other files.
     """
+    from .deltas import DELTA_RECORD, write_delta_record
+
     known = known_digests or {}
+    if delta is not None:
+        if kind != "full" or adapter is not None:
+            raise WeightsError(f"{staging}: only full weights without an adapter are published as a delta")
+        missing = [e.delta for e in delta.files.values() if not (staging / e.delta).is_file()]
+        if not delta.files or missing:
+            raise WeightsError(f"{staging}: delta file {missing[0] if missing else '(none)'} missing")
+        write_delta_record(staging, delta)
     paths = [p for p in sorted(staging.rglob("*")) if p.is_file() and p.name != MANIFEST]
     for p in paths:
         with naming(p), open(p, "rb+") as f:
@@ -215,8 +238,10 @@ def commit_version(
         )
         for p, rel in zip(paths, rels, strict=True)
     }
-    if not any(name.endswith(".safetensors") for name in files):
+    if delta is None and not any(name.endswith(".safetensors") for name in files):
         raise WeightsError(f"{staging}: no *.safetensors file to publish")
+    if delta is not None and DELTA_RECORD not in files:
+        raise WeightsError(f"{staging / DELTA_RECORD}: not written")
     if adapter is not None and not (staging / adapter / "adapter_config.json").is_file():
         raise WeightsError(f"{staging / adapter}: no adapter_config.json in the adapter directory")
     manifest = WeightsManifest.validated(
@@ -323,9 +348,19 @@ def _digests(path: Path, manifest: WeightsManifest, rels: list[str]) -> list[str
 
 
 def _weight_version(path: Path, manifest: WeightsManifest) -> WeightVersion:
+    from .deltas import DELTA_RECORD, read_delta_record
+
     adapter = path / manifest.adapter if manifest.adapter is not None else None
+    delta = read_delta_record(path) if DELTA_RECORD in manifest.files else None
     return WeightVersion(
-        manifest.version, path, manifest.step, manifest.dtype, manifest.kind, adapter, manifest.base_sha256
+        manifest.version,
+        path,
+        manifest.step,
+        manifest.dtype,
+        "delta" if delta is not None else manifest.kind,
+        adapter,
+        manifest.base_sha256,
+        delta.base if delta is not None else None,
     )
 
 
@@ -351,15 +386,28 @@ def retained(versions: list[int], keep: int, every: int = 0) -> set[int]:
     return newest | ({v for v in versions if v % every == 0} if every > 0 else set())
 
 
+def delta_base(layout: RunLayout, version: int) -> int | None:
+    """The full version that version ``version`` is a delta against; None for a full (or missing) version.  A delta
+    whose record cannot be read names no base: it cannot be reconstructed anyway."""
+    from .deltas import DeltaError, read_delta_record
+
+    try:
+        record = read_delta_record(layout.weight_version(version))
+    except (DeltaError, OSError):
+        return None
+    return record.base if record is not None else None
+
+
 def garbage_collect(layout: RunLayout, keep: int, in_use: Iterable[int], every: int = 0) -> list[int]:
     """Delete the versions ``retained`` does not keep (the newest ``keep``, multiples of ``every``), never LATEST
-    nor one a live worker reports as loaded.
+    nor one a live worker reports as loaded, nor the full base of a delta version that is kept.
 
     Deleting a directory another node still reads gives it ESTALE/SIGBUS, hence ``in_use`` (from status records).
     """
     protected = set(in_use) | {latest_version(layout)}
     versions = published_versions(layout)
     kept = retained(versions, keep, every) | protected
+    kept |= {b for v in kept if v in versions and (b := delta_base(layout, v)) is not None}
     doomed = [v for v in versions if v not in kept]
     for v in doomed:
         shutil.rmtree(layout.weight_version(v), ignore_errors=True)
@@ -372,9 +420,9 @@ def abandoned_staging(layout: RunLayout) -> list[Path]:
     out = []
     if layout.weights.is_dir():
         for p in layout.weights.iterdir():
-            if p.name.startswith(".staging-v"):
-                v = int(p.name.removeprefix(".staging-v"))
-                if v <= latest:
+            if p.name.startswith(".staging-v") and p.name[len(".staging-v") :].isdigit():
+                v = int(p.name[len(".staging-v") :])
+                if v <= latest and p == layout.weight_staging(v):
                     out.append(p)
     return out
 

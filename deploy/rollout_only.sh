@@ -4,6 +4,7 @@
 #   shardrl init RUN --config CFG.toml            # once
 #   sbatch [--partition=P --nodes=N --gres=gpu:G --time=T] deploy/rollout_only.sh RUN [--section.key value ...]
 #   echo '{"action":"add","count":2}' > RUN/control.json   # rescale while it runs
+#   sbatch --nodes=1 --gres=gpu:1 deploy/rollout_only.sh RUN --eval   # the evaluator instead (one is enough)
 #
 # Submit it any number of times, on any partitions: all supervisors share RUN and together run exactly the desired
 # number of workers.  On SIGTERM (time limit, preemption, scancel) the supervisors drain their workers well inside
@@ -24,6 +25,7 @@ PYTHON=${SHARDRL_PYTHON:-python3}
 export PYTHONSAFEPATH=1
 mkdir -p "$RUN/logs"
 echo "rollout job ${SLURM_JOB_ID:-?} on ${SLURM_JOB_NODELIST:-$(hostname)}: run $RUN"
+# With --eval the same command is the evaluator (greedy scores of published versions), not a supervisor.
 
 # One supervisor per node; each counts the GPUs Slurm gave its node (CUDA_VISIBLE_DEVICES) as its worker slots.
 srun --job-name=shardrl-rollout --ntasks-per-node=1 --kill-on-bad-exit=0 --output="$RUN/logs/rollout-%j-%N.log" \

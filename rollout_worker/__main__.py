@@ -78,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_worker.worker import USER_ERRORS, preflight
 
     try:
+        if (
+            args.once and not args.eval
+        ):  # the supervisor never stops by itself: --once would be silently ignored
+            raise ConfigError(
+                "command line: --once is an option of --eval (the evaluator); the supervisor has none"
+            )
         overrides = parse_overrides(rest)
         refuse_sections(overrides, ("trainer",), PROG, "pass it to the trainer (python -m trainer)")
         if args.max_local_workers is not None:
@@ -93,11 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate(run: Any, once: bool) -> int:
-    import logging
-
+    from buffer.logs import setup_logging
     from rollout_worker.evaluator import eval_prompts, run_evaluator
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging("eval")
     eval_prompts(run.config)  # a bad eval.prompts_file is one line, before any engine starts
     return run_evaluator(run, once=once)
 

@@ -16,7 +16,6 @@ SIGTERM/SIGINT end it after the version in hand.
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 from buffer import metrics
 from buffer.config import ShardRLConfig
+from buffer.logs import logger
 from buffer.records import RecordError
 from buffer.run import Run
 from buffer.status import read_finished
@@ -34,7 +34,7 @@ from rollout_worker.engines.base import Engine, EngineError, SamplingSpec
 from rollout_worker.prompts import EncodedPrompt, Prompt, load_prompts, make_encoder
 from rollout_worker.rewards import REGISTRY, Scorer, make_scorer
 
-log = logging.getLogger("shardrl.eval")
+log = logger("eval")
 EVAL_METRICS = "eval"  # RUN/metrics/eval.jsonl
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from buffer.control import LeaseWatch
+from buffer.logs import logger
 
 # 75 (EX_TEMPFAIL): distinct from what a crashing library exits with; the supervisor still checks the lease itself
 EXIT_OK, EXIT_CRASH, EXIT_USER, EXIT_LEASE = 0, 1, 2, 75
@@ -39,7 +40,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 CHILD_GRACE_S = 2.0  # engine processes get this long to leave after SIGTERM, then SIGKILL
 ENGINE_REPORT_S = 5.0  # a dead engine process: how long the main thread gets to report it itself
 
-log = logging.getLogger("shardrl.rollout")
+log = logger("rollout")
 
 
 class Lifecycle:

@@ -12,7 +12,7 @@ Rendering: ``data.prompt_template`` (``str.format`` with ``{prompt}``) rewrites 
 message of a chat prompt.  Chat prompts, and string prompts when ``data.chat_template`` is true, go through the
 tokenizer's chat template, with ``data.system_prompt`` as the first message unless the row brings its own.  A bad
 file or row is one ``PromptError`` line naming the file, the row and the field; ``shardrl init`` runs the same
-checks (``validate_prompts_file``) so that a run never starts on a prompts file its workers cannot read.
+checks (``rollout_worker/checks.py``) so that a run never starts on a prompts file its workers cannot read.
 
 Which prompts a worker draws: each worker walks its own permutation of the *whole* prompt set, reshuffled every
 epoch, seeded by (run seed, slot, epoch).  The usual alternative, one shared permutation per epoch of which worker k
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from buffer.config import ConfigError, DataConfig, ShardRLConfig
+from buffer.config import ConfigError, DataConfig
 
 from .tasks import task_prompts
 
@@ -295,30 +295,7 @@ def has_chat_template(tokenizer_dir: Path) -> bool:
         return False
 
 
-def validate_prompts_file(cfg: ShardRLConfig) -> list[Prompt]:
-    """What ``shardrl init`` checks before it creates a run: the prompts load and render, and the reward can score.
-
-    One-line ``PromptError`` (a ``ConfigError``) naming the file, the row and the field.  The chat template is checked
-    on the tokenizer's files when the tokenizer directory already exists (the built-in tiny one is built later and
-    has a template).
-    """
-    from .rewards import check_reward_name, needs_answers
-
-    check_reward_name(cfg.reward.function)
-    prompts = load_prompts(cfg.data)
-    chat = next((p for p in prompts if p.messages is not None), None)
-    tok_dir = Path(cfg.model.tokenizer or cfg.model.path)
-    if chat is not None and (tok_dir / "tokenizer_config.json").is_file() and not has_chat_template(tok_dir):
-        raise PromptError(_no_template(str(tok_dir / "tokenizer_config.json"), cfg.data, chat))
-    if needs_answers(cfg.reward.function) and all(p.answer is None for p in prompts):
-        raise PromptError(
-            f"{cfg.data.prompts_file or cfg.data.task}: no row has an answer at {cfg.data.answer_field!r} "
-            f"(data.answer_field), which reward.function = {cfg.reward.function!r} needs"
-        )
-    return prompts
-
-
-def _no_template(tokenizer: str, data: DataConfig, prompt: Prompt) -> str:
+def no_template_message(tokenizer: str, data: DataConfig, prompt: Prompt) -> str:
     why = (
         "data.chat_template is true"
         if data.chat_template
@@ -353,7 +330,7 @@ def make_encoder(tokenizer: Any, chat_template: bool = False, data: DataConfig |
         if prompt.messages is None:
             return prompt.text, list(tokenizer(prompt.text)["input_ids"])
         if not has_template:
-            raise PromptError(_no_template(name, data, prompt))
+            raise PromptError(no_template_message(name, data, prompt))
         rendered = tokenizer.apply_chat_template(
             list(prompt.messages), add_generation_prompt=True, tokenize=False
         )

@@ -37,6 +37,7 @@ class GroupPublisher:
         self.groups: list[Group] = []  # complete, scored groups not yet published
         self.oldest_since: float | None = None  # when the oldest waiting group arrived
         self.shards = 0
+        self.published_samples = 0  # of this incarnation: what the trainer's feed record copies
 
     @property
     def pending_samples(self) -> int:
@@ -75,6 +76,7 @@ class GroupPublisher:
                 taken += len(group)
             self.writer.flush()
             self.shards += 1
+            self.published_samples += taken
         return True
 
     def discard(self) -> int:

@@ -36,14 +36,12 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from buffer.config import ConfigError, RewardConfig
 
+from .prompts import EncodedPrompt
 from .tasks import digit_reward
-
-if TYPE_CHECKING:
-    from .prompts import EncodedPrompt
 
 # The older call form: (prompt, response, answer) -> reward.  ``resolve_reward`` returns one of these.
 RewardFn = Callable[[str, str, str | None], float]

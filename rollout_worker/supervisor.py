@@ -31,9 +31,7 @@ desired count stays what it was until it is repaired.  Nothing here imports torc
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import logging
 import math
 import os
 import select
@@ -42,7 +40,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +49,16 @@ from buffer.control import ControlState, ControlWatcher, Leases, all_leases, ren
 from buffer.fsio import HOST, read_json_or_none
 from buffer.heartbeats import StatusWriter, supervisor_status, worker_status
 from buffer.layout import RunLayout
+from buffer.logs import logger, setup_logging
 from buffer.procs import signal_group, start_group, stop_groups
 from buffer.records import RecordError
 from buffer.run import Run
 from buffer.status import read_finished
+from rollout_worker import reconcile as core
 from rollout_worker.engines import resolve_kind
-from rollout_worker.lifecycle import EXIT_LEASE, EXIT_USER
 from rollout_worker.worker import worker_id_for
 
-log = logging.getLogger("shardrl.supervisor")
+log = logger("supervisor")
 
 
 # ---------------------------------------------------------------------------------------------- local devices
@@ -121,27 +120,19 @@ def local_devices(cfg: ShardRLConfig) -> Devices:
 
 def worker_log(layout: RunLayout, worker_id: str) -> Path:
     """Where this node's incarnations of a worker write their output (appended; one file per worker and host)."""
-    return layout.logs / f"rollout-{worker_id}-{HOST}.log"
+    return layout.log_file(f"rollout-{worker_id}-{HOST}")
 
 
 # ---------------------------------------------------------------------------------------------- one slot
 
 
 @dataclass
-class Slot:
-    slot: int
-    local: int  # index of the local device group
-    worker_id: str
-    proc: subprocess.Popen | None = None
-    restarts: collections.deque[float] = field(default_factory=collections.deque)
-    restart_at: float | None = None  # a dead worker waits for its backoff
-    kill_at: float | None = None  # set while draining: SIGKILL at this time
-    killed: bool = False  # SIGKILL sent, exit not reaped yet
-    lease_lost: bool = False
+class Slot(core.SlotState):
+    """A slot this node holds: the rules' state of it, and its worker process."""
 
-    @property
-    def draining(self) -> bool:
-        return self.kill_at is not None
+    local: int = 0  # index of the local device group
+    worker_id: str = ""
+    proc: subprocess.Popen | None = None
 
 
 def _last_line(path: Path, limit: int = 65536) -> str | None:
@@ -165,6 +156,7 @@ class Supervisor:
         self.overrides = overrides
         self.id = f"{HOST}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.devices = local_devices(self.cfg)
+        self.policy = core.Policy.of(self.cfg, self.devices.capacity)
         self.watcher = ControlWatcher(
             self.layout, self.cfg.run.max_workers, self.cfg.run.control_settle_s, self.id
         )
@@ -270,57 +262,64 @@ class Supervisor:
                 s.lease_lost = True
                 self._stop(s)
 
-    def _acquire(self) -> None:
+    def _reconcile(self) -> None:
+        """One control tick: drain unwanted slots, lease and start wanted ones, give back abandoned leases."""
+        try:
+            leases = all_leases(self.layout)
+        except OSError as e:
+            self._trouble("reading the leases", e)
+            leases = {}  # no give-back this tick; acquiring reads each lease itself
         now = time.monotonic()
-        for slot in range(self.desired):
-            if len(self.slots) >= self.devices.capacity:
-                return
-            if slot in self.slots or self.cooldown.get(slot, 0.0) > now:
-                continue
-            try:
-                before = self.leases.read(slot)
-                acquired = self.leases.try_acquire(slot)
-            except OSError as e:
-                self._trouble(f"lease of slot {slot}", e)
-                continue
-            if acquired:
-                if before is not None and not before.get("released") and before.get("holder") != self.id:
-                    log.warning(
-                        "supervisor %s: took over slot %d from %s (lease not renewed for %gs)",
-                        self.id,
-                        slot,
-                        before.get("holder"),
-                        self.cfg.run.lease_timeout_s,
-                    )
-                used = {s.local for s in self.slots.values()}
-                local = min(i for i in range(self.devices.capacity) if i not in used)
-                self.slots[slot] = s = Slot(slot, local, worker_id_for(slot))
-                self.failed.pop(slot, None)
-                self._spawn(s)
+        actions = core.reconcile(
+            self.desired, leases, self.slots, now, cooldown=self.cooldown, capacity=self.devices.capacity
+        )
+        for action in actions:
+            if isinstance(action, core.Drain):
+                s = self.slots[action.slot]
+                log.info("supervisor %s: scaling down: draining %s (slot %d)", self.id, s.worker_id, s.slot)
+                self._stop(s)
+            elif isinstance(action, core.Acquire):
+                if len(self.slots) < self.devices.capacity:
+                    self._acquire(action.slot)
+            else:
+                self._give_back(action.slot, action.holder)
 
-    def _give_back_abandoned(self) -> None:
-        """Release the stale leases of slots no longer wanted.
+    def _acquire(self, slot: int) -> None:
+        try:
+            before = self.leases.read(slot)
+            acquired = self.leases.try_acquire(slot)
+        except OSError as e:
+            self._trouble(f"lease of slot {slot}", e)
+            return
+        if not acquired:
+            return
+        holder = core.taken_over_from(before, self.id)
+        if holder is not None:
+            log.warning(
+                "supervisor %s: took over slot %d from %s (lease not renewed for %gs)",
+                self.id,
+                slot,
+                holder,
+                self.cfg.run.lease_timeout_s,
+            )
+        local = core.free_device((s.local for s in self.slots.values()), self.devices.capacity)
+        self.slots[slot] = s = Slot(slot, local=local, worker_id=worker_id_for(slot))
+        self.failed.pop(slot, None)
+        self._spawn(s)
+
+    def _give_back(self, slot: int, holder: Any) -> None:
+        """Release the stale lease of a slot no longer wanted.
 
         A supervisor killed while holding slot K >= desired leaves a lease nobody would take over (only wanted slots
         are acquired); any live supervisor takes it over once it has stood still for lease_timeout_s, through the
         same exclusive generation create as a takeover, and gives it back at once.
         """
         try:
-            held = all_leases(self.layout)
+            if self.leases.try_acquire(slot):
+                self.leases.release(slot)
+                log.warning("supervisor %s: gave back abandoned slot %d of %s", self.id, slot, holder)
         except OSError as e:
-            self._trouble("reading the leases", e)
-            return
-        for slot, rec in held.items():
-            if slot < self.desired or slot in self.slots or rec.get("released"):
-                continue
-            try:
-                if self.leases.try_acquire(slot):
-                    self.leases.release(slot)
-                    log.warning(
-                        "supervisor %s: gave back abandoned slot %d of %s", self.id, slot, rec.get("holder")
-                    )
-            except OSError as e:
-                self._trouble(f"lease of slot {slot}", e)
+            self._trouble(f"lease of slot {slot}", e)
 
     # ------------------------------------------------------------------ worker processes
 
@@ -365,11 +364,8 @@ class Supervisor:
 
     def _stop(self, s: Slot, deadline: float | None = None) -> None:
         """Ask a worker to drain (SIGTERM); it is killed at the deadline.  A worker waiting for a restart just goes."""
-        if s.draining and deadline is None:
-            return
-        asked = s.draining  # a second SIGTERM would tell the worker to stop at once, not to drain
-        s.kill_at = deadline if deadline is not None else time.monotonic() + self.cfg.rollout.drain_deadline_s
-        if not asked and s.proc is not None and s.proc.poll() is None:
+        tell = core.drain_until(s, time.monotonic(), self.policy, deadline)
+        if tell and s.proc is not None and s.proc.poll() is None:
             # the worker alone: it finishes its batch on its engine, then closes it; the group dies at the deadline
             with contextlib.suppress(ProcessLookupError):
                 s.proc.send_signal(signal.SIGTERM)
@@ -378,7 +374,7 @@ class Supervisor:
         now = time.monotonic()
         for s in list(self.slots.values()):
             if s.proc is not None and s.proc.poll() is None:
-                if s.kill_at is not None and now >= s.kill_at and not s.killed:
+                if core.kill_due(s, now):
                     log.warning("supervisor %s: %s did not drain in time; killing it", self.id, s.worker_id)
                     signal_group(s.proc, signal.SIGKILL)  # reaped at a later tick: the loop never blocks here
                     s.killed = True
@@ -387,18 +383,14 @@ class Supervisor:
                 rc = s.proc.returncode
                 signal_group(s.proc, signal.SIGKILL)  # leftovers of its engine, if any
                 pid, s.proc, s.killed = s.proc.pid, None, False
-                if rc == EXIT_LEASE and not s.draining:
-                    # it judged the slot lost (or us stalled): restarted only if the slot is still ours
-                    log.warning("supervisor %s: %s stopped over its slot's lease", self.id, s.worker_id)
-                    s.restart_at = now + self.cfg.rollout.restart_backoff_s
-                    continue
-                if not s.draining:
-                    self._on_death(s, pid, rc)
+                outcome = core.on_exit(s, rc, now, self.policy)
+                if not isinstance(outcome, core.Drop):
+                    self._on_death(s, pid, rc, outcome)
                     continue
                 log.info("supervisor %s: %s exited (%s)", self.id, s.worker_id, rc)
             if s.draining:
                 self._drop(s)
-            elif s.restart_at is not None and now >= s.restart_at and not self.stopping:
+            elif core.restart_due(s, now, self.stopping):
                 self._respawn(s)
 
     def _still_held(self, s: Slot) -> bool:
@@ -420,26 +412,18 @@ class Supervisor:
         if self._still_held(s):
             self._spawn(s)
 
-    def _on_death(self, s: Slot, pid: int, rc: int | None) -> None:
-        now = time.monotonic()
+    def _on_death(self, s: Slot, pid: int, rc: int | None, outcome: core.Exit) -> None:
+        if isinstance(outcome, core.Restart) and not outcome.crash:
+            log.warning("supervisor %s: %s stopped over its slot's lease", self.id, s.worker_id)
+            return
         if rc is not None and rc < 0:
             error = f"killed by {signal.Signals(-rc).name}"
         else:
             error = self._last_error(s, pid) or f"exit code {rc}"
-        window = self.cfg.rollout.restart_window_s
-        while s.restarts and now - s.restarts[0] > window:
-            s.restarts.popleft()
-        if rc == EXIT_USER or len(s.restarts) >= self.cfg.rollout.max_restarts:
-            why = (
-                "a configuration error"
-                if rc == EXIT_USER
-                else f"{len(s.restarts)} restarts within {window:g}s"
-            )
-            self._fail(s, error, why)
+        if isinstance(outcome, core.Fail):
+            self._fail(s, error, outcome)
             return
-        delay = self.cfg.rollout.restart_backoff_s * 2 ** len(s.restarts)
-        s.restarts.append(now + delay)
-        s.restart_at = now + delay
+        assert isinstance(outcome, core.Restart)
         log.warning(
             "supervisor %s: %s (pid %d) died with exit code %s: %s; restart in %.1fs",
             self.id,
@@ -447,7 +431,7 @@ class Supervisor:
             pid,
             rc,
             error,
-            delay,
+            outcome.delay,
         )
 
     def _last_error(self, s: Slot, pid: int) -> str | None:
@@ -461,8 +445,9 @@ class Supervisor:
             return str(rec.get("last_error") or "") or None
         return _last_line(self._log_path(s))
 
-    def _fail(self, s: Slot, error: str, why: str) -> None:
+    def _fail(self, s: Slot, error: str, outcome: core.Fail) -> None:
         """Give up on this worker: failed in its status record, slot released for another node."""
+        why = outcome.why
         log.error(
             "supervisor %s: %s failed (%s): %s; releasing slot %d", self.id, s.worker_id, why, error, s.slot
         )
@@ -474,7 +459,7 @@ class Supervisor:
                 state="failed", last_error=error, gave_up=why
             )
         self.failed[s.slot] = error
-        self.cooldown[s.slot] = time.monotonic() + self.cfg.rollout.restart_window_s
+        self.cooldown[s.slot] = outcome.cooldown_until
         self._drop(s)
 
     def _drop(self, s: Slot) -> None:
@@ -482,12 +467,6 @@ class Supervisor:
             with contextlib.suppress(OSError):
                 self.leases.release(s.slot)
         self.slots.pop(s.slot, None)
-
-    def _scale_down(self) -> None:
-        for s in sorted(self.slots.values(), key=lambda s: -s.slot):
-            if s.slot >= self.desired and not s.draining:
-                log.info("supervisor %s: scaling down: draining %s (slot %d)", self.id, s.worker_id, s.slot)
-                self._stop(s)
 
     # ------------------------------------------------------------------ status
 
@@ -558,9 +537,7 @@ class Supervisor:
                     self._begin_shutdown("the run is finished")
                 if not self.stopping and now >= next_control:
                     self._poll_control()
-                    self._scale_down()
-                    self._acquire()
-                    self._give_back_abandoned()
+                    self._reconcile()
                     next_control = now + r.control_poll_s
                 self._reap()
                 if self.stopping and not self.slots:
@@ -589,8 +566,7 @@ class Supervisor:
         """Drain everything: SIGTERM now, SIGKILL a little before the deadline so that cleanup still fits in it."""
         self.stopping = True
         budget = self.cfg.rollout.drain_deadline_s
-        self.deadline = time.monotonic() + budget
-        kill_at = self.deadline - min(2.0, 0.25 * budget)
+        self.deadline, kill_at = core.shutdown_times(time.monotonic(), budget)
         log.info(
             "supervisor %s: %s: draining %d worker(s) within %gs",
             self.id,
@@ -609,5 +585,5 @@ class Supervisor:
 
 
 def run_supervisor(run: Run, overrides: dict[str, str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    setup_logging("supervisor")
     return Supervisor(run, overrides).serve()

@@ -7,9 +7,9 @@ Started by the node supervisor as its own process (one per leased worker slot)::
 and runnable by hand the same way.  The loop, between batches: follow the trainer's weight versions
 (``following``); refuse to start a batch while more than ``rollout.max_staleness`` versions behind (state ``paused``,
 reason ``stale``) or while the run's unconsumed backlog is above ``rollout.max_backlog_samples`` (reason
-``backlog``); both count the samples the other workers are generating (their status records' ``in_flight``), so a
-fleet stops where one worker would, instead of overshooting by a batch per worker into samples the trainer drops as
-stale; generate n samples per prompt; score whole groups (``scoring``); publish whole groups as shards
+``backlog``); both count the samples the other workers are generating (their ``in_flight``, as the trainer's record
+last copied it: ``admission``), so a fleet stops where one worker would, instead of overshooting by a batch per
+worker into samples the trainer drops as stale, and a check reads one file whatever the fleet's size; generate n samples per prompt; score whole groups (``scoring``); publish whole groups as shards
 (``publishing``).
 
 How it ends (``lifecycle``): SIGTERM/SIGINT, or the supervisor dying, drains: the batch in flight is finished, every
@@ -40,11 +40,12 @@ from typing import Any
 from buffer import metrics
 from buffer.config import ConfigError, parse_overrides, resolve_dtype
 from buffer.control import LeaseWatch
-from buffer.heartbeats import load_worker, samples_in_flight, worker_status
+from buffer.heartbeats import load_worker, worker_status
 from buffer.records import RecordError
 from buffer.run import Run, open_run
 from buffer.shards import ShardWriter, new_incarnation
-from buffer.status import BacklogCounter
+from rollout_worker.admission import Admission
+from rollout_worker.checks import require_answers
 from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import EngineError, SamplingSpec, require_model_dir
 from rollout_worker.following import WeightFollower
@@ -59,7 +60,7 @@ from rollout_worker.prompts import (
     make_encoder,
 )
 from rollout_worker.publishing import GroupPublisher
-from rollout_worker.rewards import RewardConfigError, Scorer, make_scorer, needs_answers
+from rollout_worker.rewards import RewardConfigError, Scorer, make_scorer
 from rollout_worker.scoring import ScoredBatch, score_batch
 
 __all__ = ["EXIT_CRASH", "EXIT_LEASE", "EXIT_OK", "EXIT_USER", "USER_ERRORS", "preflight", "worker_id_for"]
@@ -90,11 +91,7 @@ def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
         require_model_dir(run.tokenizer_dir, "tokenizer directory (model.tokenizer)")
     prompts = load_prompts(cfg.data)
     scorer = make_scorer(cfg.reward)
-    if needs_answers(cfg.reward.function) and all(p.answer is None for p in prompts):
-        raise PromptError(
-            f"{cfg.data.prompts_file}: no prompt has an answer field {cfg.data.answer_field!r} "
-            f"(data.answer_field), which reward.function = {cfg.reward.function!r} needs"
-        )
+    require_answers(cfg, prompts)
     if cfg.reward.reward_model and not (Path(cfg.reward.reward_model) / "config.json").is_file():
         raise RewardConfigError(
             f"{cfg.reward.reward_model}: reward.reward_model is not a HF model directory (no config.json)"
@@ -127,7 +124,14 @@ class RolloutWorker:
         self.life = life
         self.incarnation = new_incarnation()
         self.previous = _previous_record(run, worker_id)
-        self.backlog = BacklogCounter(self.layout)
+        hb = self.cfg.run.heartbeat_interval_s
+        self.admission = Admission(
+            self.layout,
+            worker_id,
+            self.incarnation,
+            max_age_s=IN_FLIGHT_BEATS * hb + CLOCK_SKEW_S,
+            fallback_every_s=hb,
+        )
         self.status = worker_status(
             self.layout, worker_id, slot=slot, supervisor=supervisor, incarnation=self.incarnation
         )
@@ -181,18 +185,17 @@ class RolloutWorker:
         assert self.weights is not None
         step = self.cfg.trainer.samples_per_step
         while not self.life.stop_requested:
-            run_backlog = self.backlog.read()  # the run's unconsumed samples, and the trainer's plans
-            backlog = run_backlog.unconsumed_samples + self.publisher.pending_samples  # plus what waits here
-            # What the trainer will have without a batch of ours: the backlog and the other workers' batches.
-            coming = backlog + self._in_flight_elsewhere()
-            if not self.weights.catch_up(coming // step, run_backlog.planned_step):
+            # What the trainer will have without a batch of ours: the backlog, ours waiting, the others' batches.
+            view = self.admission.view(self.publisher.published_samples, self.publisher.pending_samples)
+            coming = view.coming
+            if not self.weights.catch_up(coming // step, view.planned_step, view.trainer):
                 self._pause("stale", latest_version=self.weights.latest)
                 continue
             # Below a step's worth nothing pauses: whatever the bound, the trainer must be able to fill a step.
             if coming > self.cfg.rollout.max_backlog_samples and coming >= step:
-                self._pause("backlog", backlog=backlog)
+                self._pause("backlog", backlog=view.backlog)
                 continue
-            self._batch(backlog)
+            self._batch(view.backlog)
             self._publish()
             self._set_in_flight(self.publisher.pending_samples)
 
@@ -358,10 +361,12 @@ class RolloutWorker:
 
     def _count(self, scored: ScoredBatch, tokens_per_s: float) -> None:
         c = self.counters
+        first: dict[str, str] = {}
         if scored.errors and c["dropped_reward_groups"] == 0:
             log.warning(
                 "%s: dropping groups whose reward fails; first error: %s", self.worker_id, scored.errors[0]
             )
+            first = {"first_reward_error": scored.errors[0][:500]}
         c["samples"] += scored.samples
         c["tokens"] += scored.tokens
         c["dropped_too_long"] = self.stream.skipped_too_long
@@ -374,6 +379,7 @@ class RolloutWorker:
             tokens_per_s=round(tokens_per_s, 1),
             batches=self.batches,
             reward_mean=scored.reward_mean(),
+            **first,
             **last,
             **c,
         )
@@ -383,16 +389,7 @@ class RolloutWorker:
     def _publish(self, *, everything: bool = False) -> None:
         if self.publisher.publish(everything=everything):
             self.counters["shards"] = self.publisher.shards
-            self._set(shards=self.publisher.shards)
-
-    def _in_flight_elsewhere(self) -> int:
-        """Samples the other workers of the run are generating (a record of a worker that stopped beating for
-        IN_FLIGHT_BEATS heartbeats, plus clock skew between nodes, no longer counts)."""
-        age = IN_FLIGHT_BEATS * self.cfg.run.heartbeat_interval_s + CLOCK_SKEW_S
-        try:
-            return samples_in_flight(self.layout, besides=self.worker_id, max_age_s=age)
-        except OSError:
-            return 0  # the status directory unreadable for a moment: judge by the backlog alone
+            self._set(shards=self.publisher.shards, published_samples=self.publisher.published_samples)
 
     def _set_in_flight(self, samples: int) -> None:
         if self.status.record.get("in_flight") != samples:

@@ -78,8 +78,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shards", type=int, required=True)
     s.add_argument("--samples", type=int, required=True)
     s.add_argument("--seed", type=int, default=0)
-    s = _sub(sub, "tiny-model", "build the tiny Qwen2 model + tokenizer (HF format)", run=False)
-    s.add_argument("out", type=Path)
+    s = _sub(
+        sub,
+        "tiny-model",
+        "build the tiny Qwen2 model + tokenizer (HF format) into OUT, e.g. as model.path of your own run",
+        "Takes no --section.key overrides.",
+        run=False,
+    )
+    s.add_argument("out", type=Path, metavar="OUT", help="a new directory")
     s.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     s.add_argument("--seed", type=int, default=0)
     s = _sub(sub, "demo", "the CPU demo: rollout supervisor + trainer", _INIT_OVERRIDES, run=False)
@@ -113,25 +119,46 @@ def _parser() -> argparse.ArgumentParser:
         "--wait-s", type=float, default=60.0, help="how long to wait for the other nodes under srun"
     )
     s = _sub(sub, "report", "write PNG plots of a run's metrics into RUN/plots")
-    s = sub.add_parser(
-        "export", help="copy a published weight version out as a standalone HF model directory"
-    )
-    s.add_argument("run", type=Path)
+    s = _export_sub(sub, "export", "copy a published weight version out as a standalone HF model directory")
     s.add_argument("--version", required=True, help="a published version number, or `latest`")
-    s.add_argument("out", type=Path, help="a new directory")
-    s = sub.add_parser(
-        "export-shards", help="write each ready shard as Parquet (one file per shard) into OUT"
-    )
-    s.add_argument("run", type=Path)
+    s = _export_sub(sub, "export-shards", "write each ready shard as Parquet (one file per shard) into OUT")
     s.add_argument("--format", choices=["parquet"], default="parquet")
-    s.add_argument("out", type=Path, help="directory of Parquet files; shards already there are skipped")
     return p
+
+
+def _export_sub(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
+    """``[RUN] OUT``: the run as every command takes it (RUN, --run-dir RUN or $SHARDRL_RUN), then OUT."""
+    s = sub.add_parser(
+        name, help=text, description=text, epilog=_NO_OVERRIDES, usage=f"shardrl {name} [RUN] OUT [options]"
+    )
+    s.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        metavar="[RUN] OUT",
+        help="the run directory (= --run-dir), "
+        "then OUT: "
+        + (
+            "a new directory"
+            if name == "export"
+            else "a directory of Parquet files; shards already there are skipped"
+        ),
+    )
+    s.add_argument(
+        "--run-dir", dest="run_dir", type=Path, default=None, metavar="RUN", help=f"default ${RUN_ENV}"
+    )
+    return s
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
-        args = _parser().parse_args(rest)
+        parser = _parser()
+        args, extra = parser.parse_known_args(rest)
+        if extra and hasattr(args, "paths") and not any(a.startswith("-") for a in extra):
+            args.paths += map(Path, extra)  # `RUN --version V OUT`: argparse stops a positional list at an option
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _resolve_run(args)
         return _dispatch(args, overrides)
     except ConfigError as e:
@@ -144,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resolve_run(args: argparse.Namespace) -> None:
     """``args.run`` from RUN, --run-dir or $SHARDRL_RUN, for the commands that take a run."""
+    if hasattr(args, "paths"):  # export commands: [RUN] OUT
+        if len(args.paths) > 2:
+            raise ConfigError(
+                f"command line: `shardrl {args.cmd}` takes [RUN] OUT, got {len(args.paths)} paths"
+            )
+        args.out = args.paths[-1]
+        args.run_pos = args.paths[0] if len(args.paths) == 2 else None
     if not hasattr(args, "run_pos"):
         return
     pos, opt, env = args.run_pos, args.run_dir, os.environ.get(RUN_ENV)
@@ -164,11 +198,60 @@ def _dispatch(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
 
 def _init(args: argparse.Namespace, overrides: dict[str, str]) -> int:
+    import shutil
+
     from .runs import init_run
 
-    run = init_run(args.run, load_toml(args.config, overrides))
+    cfg = load_toml(args.config, overrides)
+    _refuse_hub_id(cfg.model.path, f"{args.config}: field model.path", overrides, "model.path")
+    warning = _missing_answers(cfg)
+    existed = args.run.exists()
+    try:
+        run = init_run(args.run, cfg)
+    except BaseException:
+        # A run that failed to initialise leaves nothing behind (its directory held no run.json yet).
+        if not existed and not (args.run / "run.json").exists():
+            shutil.rmtree(args.run, ignore_errors=True)
+        raise
+    if warning:
+        print(f"shardrl: warning: {warning}", file=sys.stderr)
     print(f"run {run.run_id} ready at {run.layout.root}")
     return 0
+
+
+def _refuse_hub_id(path: str, where: str, overrides: dict[str, str], key: str) -> None:
+    """A model.path like ``Qwen/Qwen2.5-1.5B`` that is no directory here: a hub id, which nothing downloads."""
+    import re
+
+    if Path(path).exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path):
+        return
+    if key in overrides:
+        where = f"command line: --{key}"
+    raise ConfigError(
+        f"{where}: {path!r} is no directory here and looks like a Hugging Face hub id; hub ids are not supported "
+        f"(jobs download nothing): download it first (`hf download {path} --local-dir DIR`) and give that "
+        "directory"
+    )
+
+
+def _missing_answers(cfg: Any) -> str | None:
+    """A warning when some (not all: init refuses that) rows of the prompts file lack the answer the reward needs."""
+    from rollout_worker.prompts import load_prompts
+    from rollout_worker.rewards import needs_answers
+
+    if cfg.data.task != "file" or not needs_answers(cfg.reward.function):
+        return None
+    prompts = load_prompts(cfg.data)
+    missing = [p for p in prompts if p.answer is None]
+    if not missing or len(missing) == len(prompts):
+        return None
+    first = missing[0]
+    return (
+        f"{cfg.data.prompts_file}: {len(missing)} of {len(prompts)} rows have no answer at "
+        f"{cfg.data.answer_field!r} (data.answer_field), which reward.function = {cfg.reward.function!r} needs; "
+        f"workers drop their groups (counted in `shardrl status`); the first is row {first.index + 1}: "
+        f"{first.text[:60]!r}"
+    )
 
 
 def _status(args: argparse.Namespace, _: dict[str, str]) -> int:

@@ -158,7 +158,7 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     remaining = target - (tr.step if tr else 0)
     t0 = time.monotonic()
     py = sys.executable
-    evaluator = _spawn(_evaluator_cmd(layout), layout.logs / "demo-eval.log")
+    evaluator = _spawn(_evaluator_cmd(layout), layout.log_file("demo-eval"))
     supervisor = _spawn(
         [
             py,
@@ -170,11 +170,11 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
             "--max-local-workers",
             str(args.workers),
         ],
-        layout.logs / "demo-rollout.log",
+        layout.log_file("demo-rollout"),
     )
     trainer = _spawn(
         [py, "-P", "-m", "trainer", "--run", str(layout.root), "--max-steps", str(max(remaining, 0))],
-        layout.logs / "demo-trainer.log",
+        layout.log_file("demo-trainer"),
     )
     children = [trainer, supervisor, evaluator]
     interrupted = False
@@ -205,7 +205,7 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
 
 def _final_eval(layout: RunLayout) -> None:
     """Score the last published version too (and whatever was due but not scored yet)."""
-    with (layout.logs / "demo-eval.log").open("a") as log:
+    with (layout.log_file("demo-eval")).open("a") as log:
         subprocess.run(
             _evaluator_cmd(layout, "--once"),
             stdin=subprocess.DEVNULL,

@@ -24,7 +24,15 @@ from buffer.fsio import fsync_dir, tmp_name
 from buffer.layout import RunLayout
 from buffer.run import open_run
 from buffer.shards import SUFFIX, ShardError, list_ready, read_shard
-from buffer.weights import MANIFEST, WeightsError, digest_as, latest_version, manifest_of, verify_version
+from buffer.weights import (
+    MANIFEST,
+    WeightsError,
+    digest_as,
+    latest_version,
+    manifest_of,
+    published_versions,
+    verify_version,
+)
 
 # Files a HF tokenizer directory may hold; copied from the run's tokenizer when a version carries none.
 TOKENIZER_FILES = (
@@ -71,11 +79,27 @@ def resolve_version(layout: RunLayout, version: str) -> int:
         raise ExportError(
             f"{layout.weights}: no published version yet (version 0 is the base model, model.path in the config)"
         )
+    kept = published_versions(layout)
+    if v not in kept:
+        # Retention deletes all but the newest run.keep_weight_versions (and the milestones): say what is left.
+        have = ", ".join(map(str, kept[-8:])) or "none"
+        raise ExportError(
+            f"command line: --version {version}: {layout.weight_version(v)} is not in the run (never published, or "
+            f"deleted by retention, run.keep_weight_versions); versions kept: {have}; or --version latest"
+        )
     return v
 
 
-def export_version(run_dir: Path, version: str, out: Path) -> Path:
-    """Copy the verified weight version ``version`` of the run to ``out`` (a new directory); returns ``out``."""
+@dataclass
+class VersionExport:
+    out: Path
+    version: int
+    step: int
+    files: list[str]
+
+
+def export_version(run_dir: Path, version: str, out: Path) -> VersionExport:
+    """Copy the verified weight version ``version`` of the run to ``out`` (a new directory): what was written."""
     run = open_run(run_dir)
     v = resolve_version(run.layout, version)
     try:
@@ -83,7 +107,9 @@ def export_version(run_dir: Path, version: str, out: Path) -> Path:
     except WeightsError as e:
         raise ExportError(str(e)) from None
     _fresh_out(out)
-    files = manifest_of(wv.path)["files"]
+    manifest = manifest_of(wv.path)
+    files = manifest["files"]
+    written = [*files, MANIFEST]
     tmp = tmp_name(out)
     tmp.mkdir()
     try:
@@ -97,6 +123,7 @@ def export_version(run_dir: Path, version: str, out: Path) -> Path:
             for name in TOKENIZER_FILES:
                 if (run.tokenizer_dir / name).is_file():
                     _copy_checked(run.tokenizer_dir / name, tmp / name, None)
+                    written.append(name)
         fsync_dir(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
@@ -109,7 +136,7 @@ def export_version(run_dir: Path, version: str, out: Path) -> Path:
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return VersionExport(out, v, int(manifest.get("step", 0)), sorted(written))
 
 
 @dataclass
@@ -117,6 +144,7 @@ class ShardExport:
     written: list[Path] = field(default_factory=list)
     already: int = 0  # exported by an earlier run of the command
     bad: list[str] = field(default_factory=list)  # "<shard>: <reason>" of shards that failed validation
+    rows: int = 0  # samples in the files written now
 
 
 def parquet_name(shard_name: str) -> str:
@@ -155,6 +183,7 @@ def export_shards(run_dir: Path, out: Path) -> ShardExport:
         finally:
             tmp.unlink(missing_ok=True)
         report.written.append(dest)
+        report.rows += table.num_rows
     fsync_dir(out)
     return report
 
@@ -162,12 +191,17 @@ def export_shards(run_dir: Path, out: Path) -> ShardExport:
 def main(cmd: str, run_dir: Path, out: Path, version: str | None) -> int:
     """The two subcommands' output lines; exit 1 when a shard failed validation."""
     if cmd == "export":
-        print(export_version(run_dir, str(version), out))
+        rep = export_version(run_dir, str(version), out)
+        print(
+            f"exported weights v{rep.version} (step {rep.step}) to {rep.out}: {len(rep.files)} files "
+            f"({', '.join(rep.files)})"
+        )
         return 0
     rep = export_shards(run_dir, out)
     for line in rep.bad:
         print(f"SKIPPED {line}")
     print(
-        f"wrote {len(rep.written)} Parquet file(s) to {out} ({rep.already} already there, {len(rep.bad)} bad)"
+        f"wrote {len(rep.written)} Parquet file(s) ({rep.rows} samples) to {out} ({rep.already} already there, "
+        f"{len(rep.bad)} bad)"
     )
     return 1 if rep.bad else 0

@@ -42,7 +42,7 @@ class RunMetrics:
         files = sorted(layout.metrics.glob("rollout-*.jsonl")) if layout.metrics.is_dir() else []
         rollout = {f.stem.removeprefix("rollout-"): metrics.read_all(f) for f in files}
         return cls(
-            trainer=metrics.read_all(layout.metrics_file("trainer")),
+            trainer=metrics.one_per_step(metrics.read_all(layout.metrics_file("trainer"))),
             evals=metrics.read_all(layout.metrics_file("eval")),
             staleness=[int(s) for s in stale],
             rollout={w: recs for w, recs in rollout.items() if recs},
@@ -72,7 +72,7 @@ def _trainer_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
             [e["step"] for e in data.evals],
             [e.get("accuracy", e.get("reward_mean", 0)) for e in data.evals],
             "o-",
-            label="greedy accuracy (100 prompts)",
+            label=eval_label(data.evals),
         )
     ax.set(
         xlabel="trainer step",
@@ -83,6 +83,20 @@ def _trainer_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(plt, fig, layout, "reward_accuracy.png")
+
+
+def eval_label(evals: list[dict[str, Any]]) -> str:
+    """The legend of the eval curve: accuracy or reward mean, over the prompt count the evaluator recorded."""
+    what = (
+        "greedy accuracy"
+        if any("accuracy" in e and e["accuracy"] is not None for e in evals)
+        else "greedy reward"
+    )
+    counts = sorted({e["prompts"] for e in evals if isinstance(e.get("prompts"), int)})
+    if not counts:
+        return what
+    shown = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"{what} ({shown} prompts)"
 
 
 def _staleness_plot(plt: Any, layout: RunLayout, data: RunMetrics) -> Path:

@@ -33,7 +33,7 @@ def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:
 
     The prompts file is read and checked first, so that no run is created that its workers could not start.
     """
-    from rollout_worker.prompts import validate_prompts_file
+    from rollout_worker.checks import validate_prompts_file
 
     validate_prompts_file(cfg)
     return _contract_init_run(root, cfg, build_base_model)

@@ -1,8 +1,10 @@
 """`shardrl status`: the human view of a run snapshot (``buffer.status.snapshot``).
 
-It explains what it shows: whether the run is finished, a control command no supervisor has applied yet, what the
-trainer waits for (and a warning when its status stopped moving), each supervisor's capacity and heartbeat, and why
-each paused worker is paused.  Records that cannot be read are listed as problems at the end.
+It explains what it shows: whether the run is finished, why fewer workers run than desired, a control command no
+supervisor has applied yet, what the trainer waits for (and a warning when its status stopped moving), each
+supervisor's capacity and heartbeat, why each paused worker is paused, the whole error of a failed or restarting
+worker, and the groups dropped because their reward failed, with the first error.  Records that cannot be read are
+listed as problems at the end.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def render(snap: dict[str, Any], console: Console | None = None) -> None:
     )
     _supervisors(con, snap["supervisors"])
     _workers(con, snap["workers"])
+    _worker_errors(con, snap["workers"])
+    _reward_failures(con, snap.get("reward_failures"))
     for problem in snap["problems"]:
         con.print(f"[red]problem:[/red] {escape(problem)}", highlight=False)
 
@@ -64,6 +68,12 @@ def _control(con: Console, snap: dict[str, Any]) -> None:
         f"latest weights {version_name(snap['latest_weights_version'])}",
         highlight=False,
     )
+    if snap.get("workers_why"):
+        con.print(
+            f"[yellow]running workers {snap.get('running_workers')} of {snap['desired_workers']}:[/yellow] "
+            f"{escape(snap['workers_why'])}",
+            highlight=False,
+        )
     if ctl.get("pending"):
         p = ctl["pending"]
         con.print(
@@ -142,6 +152,29 @@ def _workers(con: Console, workers: list[dict[str, Any]]) -> None:
             (w.get("paused_why") or w["last_error"] or "")[:90],
         )
     con.print(table)
+
+
+def _worker_errors(con: Console, workers: list[dict[str, Any]]) -> None:
+    """The whole last error of each worker that failed or is restarting: the table keeps only its start."""
+    from rich.markup import escape
+
+    for w in workers:
+        if w["state"] in ("failed", "restarting") and w.get("last_error"):
+            again = f" (restarts {w['restarts']})" if w.get("restarts") else ""
+            con.print(f"[red]{w['id']} {w['state']}{again}:[/red] {escape(w['last_error'])}", highlight=False)
+
+
+def _reward_failures(con: Console, failures: dict[str, Any] | None) -> None:
+    from rich.markup import escape
+
+    if not failures:
+        return
+    first = failures.get("first_error") or "?"
+    con.print(
+        f"[red]reward failed[/red] for {failures['groups']} group(s) ({failures['samples']} samples, dropped whole) "
+        f"on {', '.join(failures['workers'])}; first error: {escape(first)}",
+        highlight=False,
+    )
 
 
 def _age(seconds: float | None) -> str:

@@ -6,7 +6,8 @@ target.
 
 NCCL on GPUs, gloo on CPU, chosen automatically; one process without torchrun also works.  The run's config comes
 from RUN/config.json; only per-process settings may be overridden here.  A restarted trainer resumes from the newest
-complete checkpoint and replays the recorded plans after it; starting a second trainer on a run fences out the first.
+complete checkpoint and replays the recorded plans after it.  A second trainer on a run whose trainer is alive
+refuses to start unless given ``--takeover``; then it fences out the first, which stops cleanly.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def _epilog() -> str:
         "\n\nRun-wide settings, fixed in RUN/config.json by `shardrl init` (shown for reference; an override that "
         f"changes one is refused, and --rollout.* is not read here):\n{options_help(run_wide)}"
         "\n\nExit status: 0 done (max steps, SIGTERM/SIGINT: the step is finished and checkpointed), "
-        "2 bad config or command line, 3 fenced out by a newer trainer incarnation, "
-        "4 no samples within trainer.step_wait_timeout_s."
+        "also 0 when a newer trainer incarnation took over (--takeover; it goes on from here), "
+        "1 a storage error (the run directory could not be read or written), "
+        "2 bad config or command line or another trainer alive on the run (see --takeover), "
+        "4 no samples within trainer.step_wait_timeout_s, "
+        "5 a step's data failed the trainer (out of memory; marked poisoned, a restart replays it without it)."
     )
 
 
@@ -51,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     add_run_dir_option(p, "--run")
     p.add_argument(
         "--max-steps", type=int, default=None, help="stop cleanly after N steps in this invocation"
+    )
+    p.add_argument(
+        "--takeover",
+        action="store_true",
+        help="start even though another trainer is alive on the run: it is fenced out and stops (without this "
+        "flag a live trainer makes this one refuse to start)",
     )
     return p
 
@@ -67,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         from buffer.run import open_run
 
         run = open_run(args.run_dir, overrides)
+        from trainer.takeover import refuse_live_trainer
+
+        refusal = refuse_live_trainer(run, args.takeover)
+        if refusal is not None:
+            raise ConfigError(refusal)
     except ConfigError as e:
         print(f"trainer: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ and ``trainer.model.batch_logprobs``/``batch_values`` scatter the packed outputs
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,70 +48,107 @@ class Sample:
     reward: float
     policy_version: int
     advantage: float = 0.0
+    shard: str = ""  # the shard and row it was read from: what a plan records
+    row: int = -1
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-def _samples(table: pa.Table) -> list[Sample]:
+def _samples(table: pa.Table, shard: str = "") -> list[Sample]:
     cols = {c: table.column(c).to_pylist() for c in COLUMNS}
-    return [Sample(*(cols[c][i] for c in COLUMNS)) for i in range(table.num_rows)]
+    return [Sample(**{c: cols[c][i] for c in COLUMNS}, shard=shard, row=i) for i in range(table.num_rows)]
+
+
+@dataclass
+class Limits:
+    """What a sample may be in this run: longer or out-of-vocabulary samples quarantine their shard."""
+
+    vocab_size: int | None = None
+    context: int | None = None  # tokens of prompt and response together (the model's context)
+    max_response: int | None = None
 
 
 @dataclass
 class ShardCache:
-    """Validated rows of the ready shards that still hold unconsumed samples.
+    """Unconsumed rows of the ready shards, read from the buckets that may still hold some (``BucketLister``).
 
-    Bad shards are quarantined, and so is a duplicate: a shard holding a sample id that a loaded shard holds too, or
-    that a plan consumed from another shard (a copy under a second valid name).  So every sample id in ``rows`` is
-    unique and either unconsumed or consumed from the shard that holds it, and no step can plan one twice.
+    Bad shards are quarantined, and so is a duplicate: a shard holding a sample id that another shard seen in the
+    open window holds too (a copy under a second valid name).  So every sample id in ``rows`` is unique and
+    unconsumed, and no step can plan one twice.
     """
 
     layout: RunLayout
-    vocab_size: int | None
-    rows: dict[str, list[Sample]] = field(default_factory=dict)  # shard name -> rows
+    limits: Limits
+    lister: shards.BucketLister
+    rows: dict[str, list[Sample]] = field(default_factory=dict)  # shard name -> its unconsumed rows
     done: set[str] = field(default_factory=set)  # fully consumed or quarantined shards
-    planned: set[str] = field(
-        default_factory=set
-    )  # shards named by a valid plan: the originals of what it took
-    owner: dict[str, str] = field(default_factory=dict)  # sample id -> the shard in ``rows`` holding it
+    owner: dict[str, str] = field(default_factory=dict)  # sample id -> the shard holding it (open window)
     unreadable: dict[str, str] = field(
         default_factory=dict
     )  # shard -> I/O error of the last attempt (retried)
     quarantined: int = 0
 
-    def refresh(self, consumed: set[str]) -> int:
+    def refresh(self, consumption: plans.Consumption) -> int:
         """Load the shards that appeared since the last call; returns how many were new."""
         new = 0
-        self._drop_consumed(consumed)
-        for s in shards.list_ready(self.layout):
-            if s.name in self.done or s.name in self.rows:
-                continue
+        listed = [s for s in self.lister.list() if s.name not in self.done and s.name not in self.rows]
+        # A shard some of whose rows are consumed is the original of any copy of it: loaded first, it owns its
+        # sample ids, so a copy (listed before it or not) is the one quarantined, never trained again.
+        listed.sort(key=lambda s: consumption.consumed_in(s.name) == 0)
+        for s in listed:
             rows = self._load_new(s.name)
             if rows is None:
                 continue
             new += 1
-            reason = self._duplicate(s.name, rows, consumed)
+            reason = self._duplicate(s.name, rows)
             if reason is not None:
                 self._quarantine(s.name, reason)
                 continue
-            self.rows[s.name] = rows
             self.owner.update((r.sample_id, s.name) for r in rows)
-        self._drop_consumed(consumed)
+            self.rows[s.name] = [r for r in rows if not consumption.is_consumed(s.name, r.row)]
+        self.drop_consumed()
         return new
 
-    def _drop_consumed(self, consumed: set[str]) -> None:
-        for name in list(self.rows):
-            if all(r.sample_id in consumed for r in self.rows[name]):
-                for r in self.rows.pop(name):
-                    self.owner.pop(r.sample_id, None)
-                self.done.add(name)
+    def drop_consumed(self) -> None:
+        for name in [n for n, rows in self.rows.items() if not rows]:
+            del self.rows[name]
+            self.done.add(name)
+
+    def take(self, consumed: list[Sample]) -> None:
+        """Forget rows a plan just consumed."""
+        by_shard: dict[str, set[int]] = {}
+        for s in consumed:
+            by_shard.setdefault(s.shard, set()).add(s.row)
+        for name, gone in by_shard.items():
+            if name in self.rows:
+                self.rows[name] = [r for r in self.rows[name] if r.row not in gone]
+        self.drop_consumed()
+
+    def open_from(self, now: float | None = None) -> int:
+        """The oldest bucket that may still hold unconsumed samples: of a shard with some, of one unreadable for
+        now, or the oldest that can still take new shards."""
+        now = time.time() if now is None else now
+        candidates = [shards.bucket_at(now - shards.SEAL_GRACE_S) - 1]
+        for name in [*self.rows, *self.unreadable]:
+            parsed = shards.ShardName.parse(name)
+            if parsed is not None:
+                candidates.append(parsed.bucket)
+        return max(self.lister.first, min(candidates))
+
+    def advance(self, open_from: int) -> None:
+        """Buckets before ``open_from`` are done with: forget their shards."""
+        self.lister.advance(open_from)
+        old = [n for n in self.done if (b := _bucket(n)) is not None and b < open_from]
+        self.done.difference_update(old)
+        for sid in [i for i, n in self.owner.items() if (b := _bucket(n)) is not None and b < open_from]:
+            del self.owner[sid]
 
     def _load_new(self, name: str) -> list[Sample] | None:
         """Rows of a shard not seen yet; None when it is bad (quarantined), gone, or unreadable for now."""
         try:
-            table = shards.load_or_quarantine(self.layout, name, self.vocab_size)
+            table = shards.load_or_quarantine(self.layout, name, self.limits.vocab_size)
         except FileNotFoundError:
             return None  # removed since the listing (fsck --repair, a person): nothing to plan from it
         except OSError as e:  # the storage, not the shard: it stays in ready/ and is read again next time
@@ -120,62 +158,84 @@ class ShardCache:
         if table is None:
             self.quarantined += 1
             self.done.add(name)
+            self.lister.forget(name)
             log.warning("quarantined shard %s", name)
             return None
-        return _samples(table)
+        rows = _samples(table, name)
+        poison = _poison(rows, self.limits)
+        if poison is not None:
+            self._quarantine(name, poison)
+            return None
+        return rows
 
-    def _duplicate(self, name: str, rows: list[Sample], consumed: set[str]) -> str | None:
+    def _duplicate(self, name: str, rows: list[Sample]) -> str | None:
         """Why ``name`` is a duplicate of samples the run already has, or None."""
         ids = [r.sample_id for r in rows]
-        clash = sorted({self.owner[i] for i in ids if i in self.owner})
+        clash = sorted({self.owner[i] for i in ids if i in self.owner and self.owner[i] != name})
         if clash:
             n = sum(1 for i in ids if i in self.owner)
             return f"duplicate: {n} of its {len(ids)} sample_ids are also in shard {clash[0]}"
-        if name not in self.planned:
-            n = sum(1 for i in ids if i in consumed)
-            if n:
-                return f"duplicate: {n} of its {len(ids)} sample_ids were already consumed from other shards"
         return None
 
     def _quarantine(self, name: str, reason: str) -> None:
         self.done.add(name)  # never planned from, also when the move fails (it is tried by no one else)
         self.quarantined += 1
+        self.lister.forget(name)
         log.warning("quarantined shard %s: %s", name, reason)
         try:
             shards.quarantine(self.layout, name, reason)
         except OSError as e:
             log.warning("could not move %s to quarantine (%s); it is ignored", name, e)
 
-    def load(self, shard_names: list[str]) -> tuple[dict[str, Sample], list[str]]:
-        """Rows of specific shards (for replaying a plan), by sample id, and what could not be read: a shard gone
+    def load(self, shard_names: list[str]) -> tuple[dict[str, list[Sample]], list[str]]:
+        """Every row of specific shards (for replaying a plan), by shard, and what could not be read: a shard gone
         or bad since it was planned (a bad one is quarantined).  An I/O error is raised: it may pass."""
-        out: dict[str, Sample] = {}
+        out: dict[str, list[Sample]] = {}
         problems: list[str] = []
         for name in shard_names:
-            rows = self.rows.get(name)
-            if rows is None:
-                try:
-                    table = shards.load_or_quarantine(self.layout, name, self.vocab_size)
-                except FileNotFoundError:
-                    problems.append(f"{name}: missing")
-                    continue
-                if table is None:
-                    problems.append(f"{name}: damaged (quarantined)")
-                    continue
-                rows = _samples(table)
-            out.update((r.sample_id, r) for r in rows)
+            try:
+                table = shards.load_or_quarantine(self.layout, name, self.limits.vocab_size)
+            except FileNotFoundError:
+                problems.append(f"{name}: missing")
+                continue
+            if table is None:
+                problems.append(f"{name}: damaged (quarantined)")
+                continue
+            out[name] = _samples(table, name)
         return out, problems
 
 
-def group_candidates(cache: ShardCache, consumed: set[str]) -> list[tuple[str, list[Sample], list[str]]]:
+def _bucket(name: str) -> int | None:
+    parsed = shards.ShardName.parse(name)
+    return None if parsed is None else parsed.bucket
+
+
+def _poison(rows: list[Sample], limits: Limits) -> str | None:
+    """Why a shard holds a sample this run must never train (it would run out of memory or fail the step), or
+    None."""
+    for r in rows:
+        if limits.max_response is not None and len(r.response_ids) > limits.max_response:
+            return (
+                f"sample {r.sample_id}: response of {len(r.response_ids)} tokens is longer than "
+                f"rollout.sampling.max_response_length {limits.max_response}"
+            )
+        if limits.context is not None and r.length > limits.context:
+            return (
+                f"sample {r.sample_id}: prompt of {len(r.prompt_ids)} + response of {len(r.response_ids)} tokens "
+                f"is longer than the model's context {limits.context} (rollout.vllm.max_model_len, or "
+                f"data.max_prompt_length + rollout.sampling.max_response_length)"
+            )
+    return None
+
+
+def group_candidates(cache: ShardCache) -> list[tuple[str, list[Sample], list[str]]]:
     """Unconsumed whole groups, oldest policy version first: (group id, rows, shard names)."""
     groups: dict[str, tuple[list[Sample], set[str]]] = {}
     for name, rows in cache.rows.items():
         for r in rows:
-            if r.sample_id not in consumed:
-                g = groups.setdefault(r.group_id, ([], set()))
-                g[0].append(r)
-                g[1].add(name)
+            g = groups.setdefault(r.group_id, ([], set()))
+            g[0].append(r)
+            g[1].add(name)
     ordered = sorted(groups.items(), key=lambda kv: (min(r.policy_version for r in kv[1][0]), kv[0]))
     return [(gid, rows, sorted(names)) for gid, (rows, names) in ordered]
 
@@ -243,19 +303,42 @@ class Replayed:
     problems: list[str]  # one line per such shard
 
 
+@dataclass(frozen=True)
+class FeedCounts:
+    """The backlog as rank 0 counted it (``Planner.count``): what the trainer's record tells rollout workers."""
+
+    ready_samples: int
+    consumed_samples: int
+    dropped_samples: int
+    unconsumed_samples: int
+    planned_step: int
+    open_from: int
+    window_consumed: int
+
+    def as_counts(self) -> dict[str, int]:
+        return {
+            "ready_samples": self.ready_samples,
+            "consumed_samples": self.consumed_samples,
+            "dropped_samples": self.dropped_samples,
+            "unconsumed_samples": self.unconsumed_samples,
+        }
+
+
 class Planner:
     """Rank 0's view of the consumption log: plans new steps and replays recorded ones.
 
     ``timings`` holds the seconds the last call spent loading shards (``load``) and choosing and writing the plan
     (``plan``); ``waiting`` says why the last ``try_plan`` planned nothing, ``arrived`` how many shards it saw first.
+    Memory follows the shards that may still hold unconsumed samples (``plans.Consumption``), not the run's length.
+    ``count`` may be called from another thread.
     """
 
-    def __init__(self, layout: RunLayout, log_: plans.PlanLog, vocab_size: int | None):
+    def __init__(self, layout: RunLayout, log_: plans.PlanLog, limits: Limits):
         self.log = log_
-        self.cache = ShardCache(layout, vocab_size)
-        recorded = log_.plans().values()
-        self.consumed = plans.consumed_ids(recorded)
-        self.cache.planned = {name for p in recorded for name in p.shards}
+        self.lock = threading.Lock()  # the consumption, between the planning thread and ``count``
+        self.consumption = plans.Consumption.load(layout, open_from=shards.first_bucket(layout))
+        self.cache = ShardCache(layout, limits, shards.BucketLister(layout, self.consumption.open_from))
+        self.planned_step = self.consumption.step
         self.dropped_total = 0
         self.timings: dict[str, float] = {}
         self.waiting = Waiting()
@@ -266,17 +349,20 @@ class Planner:
         is trained on the rest (an empty step when none is left) instead of failing for ever."""
         t0 = time.monotonic()
         rows, problems = self.cache.load(plan.shards)
-        missing = [s for s in plan.sample_ids if s not in rows]
+        wanted = plan.rows(plan.takes)
+        found = [rows[name][r] for name, r in wanted if name in rows and r < len(rows[name])]
+        missing = [f"{name}#{r}" for name, r in wanted if name not in rows or r >= len(rows[name])]
         if missing:
             log.warning(
                 "replay of step %d: %d of %d planned samples cannot be read back (%s); training on the rest",
                 plan.step,
                 len(missing),
-                len(plan.sample_ids),
+                plan.samples,
                 "; ".join(problems) or "not in their shards",
             )
         self.timings = {"load": time.monotonic() - t0, "plan": 0.0}
-        return Replayed([rows[s] for s in plan.sample_ids if s in rows], missing, problems)
+        self.planned_step = max(self.planned_step, plan.step)
+        return Replayed(found, missing, problems)
 
     def try_plan(
         self,
@@ -291,9 +377,10 @@ class Planner:
         samples there are (durably: they stop counting as backlog, and so stop holding workers back); else None
         (``waiting`` says why)."""
         t0 = time.monotonic()
-        self.arrived = self.cache.refresh(self.consumed)
+        self.arrived = self.cache.refresh(self.consumption)
+        self._advance()
         t1 = time.monotonic()
-        candidates = group_candidates(self.cache, self.consumed)
+        candidates = group_candidates(self.cache)
         sel = select_step(candidates, samples_per_step, current_version, max_staleness, drop_stale)
         if sel is None:
             stale = (
@@ -308,11 +395,18 @@ class Planner:
         self.timings = {"load": t1 - t0, "plan": time.monotonic() - t1}
         return planned
 
+    def _advance(self) -> None:
+        open_from = self.cache.open_from()
+        if open_from > self.consumption.open_from:
+            with self.lock:
+                self.consumption.advance(open_from, _bucket)
+            self.cache.advance(open_from)
+
     def _write(self, step: int, sel: Selection, current_version: int) -> plans.Plan:
-        ids = [s.sample_id for s in sel.samples] + [s.sample_id for s in sel.dropped]
-        if len(set(ids)) != len(ids) or any(i in self.consumed for i in ids):
-            # the cache keeps every id unique and unconsumed: this is a bug, never a reason to train twice
-            raise RuntimeError(f"step {step}: a sample id would be planned twice; no plan written")
+        rows = [(s.shard, s.row) for s in [*sel.samples, *sel.dropped]]
+        if len(set(rows)) != len(rows) or any(self.consumption.is_consumed(n, r) for n, r in rows):
+            # the cache keeps every row unique and unconsumed: this is a bug, never a reason to train twice
+            raise RuntimeError(f"step {step}: a sample would be planned twice; no plan written")
         versions = [s.policy_version for s in sel.samples]
         extra: dict[str, Any] = {"trainer_version": current_version}
         if versions:
@@ -322,16 +416,48 @@ class Planner:
                 staleness=[current_version - v for v in versions],
             )
         plan = self.log.write_plan(
-            step, sel.shards, [s.sample_id for s in sel.samples], [s.sample_id for s in sel.dropped], extra
+            step,
+            sel.shards,
+            [(s.shard, s.row) for s in sel.samples],
+            [(s.shard, s.row) for s in sel.dropped],
+            extra,
         )
-        self.consumed.update(plan.sample_ids)
-        self.consumed.update(plan.dropped_ids)
-        self.cache.planned.update(plan.shards)
+        with self.lock:
+            self.consumption.add(plan)
+            self.planned_step = max(self.planned_step, step)
+        self.cache.take([*sel.samples, *sel.dropped])
         self.dropped_total += len(sel.dropped)
+        if step % plans.SUMMARY_EVERY == 0:
+            self._summarise()
         return plan
 
+    def _summarise(self) -> None:
+        try:
+            with self.lock:
+                self.log.write_summary(self.consumption)
+        except OSError as e:  # a summary only saves a resumed trainer reading: never a reason to stop
+            log.warning("consumption summary not written: %s", e)
+
+    def count(self) -> FeedCounts:
+        """The backlog now: the shards listed from the oldest open bucket on, less their consumed rows."""
+        listed = self.cache.lister.list()
+        with self.lock:
+            c = self.consumption
+            window = sum(s.rows for s in listed)
+            consumed_window = sum(c.consumed_in(s.name) for s in listed)
+            unconsumed = max(0, window - consumed_window)
+            return FeedCounts(
+                ready_samples=c.consumed_samples + unconsumed,
+                consumed_samples=c.consumed_samples,
+                dropped_samples=c.dropped_samples,
+                unconsumed_samples=unconsumed,
+                planned_step=self.planned_step,
+                open_from=c.open_from,
+                window_consumed=c.window_consumed(),
+            )
+
     def unconsumed_count(self) -> int:
-        return sum(1 for rows in self.cache.rows.values() for r in rows if r.sample_id not in self.consumed)
+        return sum(len(rows) for rows in self.cache.rows.values())
 
 
 def split_updates(samples: list[Sample], updates: int) -> list[list[Sample]]:

@@ -12,7 +12,11 @@
   drops only (a step that trains nothing): they stop counting as backlog, so rollout workers paused on it resume, and
   being consumed they are never trained later.
 - Replay of a recorded plan goes on without the samples whose shard is gone or damaged since it was planned (they
-  are counted in the step's metrics); a shard that cannot be read for now (an I/O error) is waited for.
+  are counted in the step's metrics); a shard that cannot be read for now (an I/O error) is waited for.  A step
+  marked poisoned (its data failed the trainer: ``PlanLog.mark_poisoned``) replays without its samples.
+- The feed.  A thread on rank 0 (``FeedKeeper``) rewrites the trainer record's feed fields about once a second, also
+  while a step computes, and at once after each plan: the backlog and each live worker's in-flight samples, so that
+  no rollout worker lists the run or reads the other workers' records (one read of one file per check).
 """
 
 from __future__ import annotations
@@ -25,17 +29,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffer.plans import Plan, PlanLog
+from buffer import heartbeats
+from buffer.plans import Plan, PlanLog, read_poisoned
+from buffer.records import LIVE_STATES
 from buffer.run import Run
-from buffer.status import BacklogCounter
 from trainer import dist as tdist
-from trainer.data import Planner, Sample
+from trainer.data import Limits, Planner, Sample
 
 log = logging.getLogger("trainer")
 
 FIRST_POLL_S = 0.02
 ROUND_S = 1.0  # rank 0 polls alone this long between the collective checks (stop request, status record)
 DROP_EVERY_S = 10.0  # drop-only steps while one wait lasts: at most one per this many seconds after the first
+FEED_S = 1.0  # the feed's refresh: what a rollout worker's view of the other workers may lag by
+# A worker's record counts in the fleet while younger than this many heartbeats plus the clock skew between nodes
+# (records carry the writer's wall clock): a worker that died mid-batch stops holding the others back after that.
+IN_FLIGHT_BEATS = 5
+CLOCK_SKEW_S = 10.0
 TIMEOUT = "timeout"
 
 
@@ -84,6 +94,70 @@ class ShardHint:
             self._observer.stop()
 
 
+class FeedKeeper:
+    """Rank 0's thread that keeps the feed fields of the trainer record fresh (``records.TrainerStatus``).
+
+    Each refresh reads the workers' records first and counts the backlog after: a shard published in between is then
+    counted twice (in a worker's ``in_flight`` and in the backlog), never missed, so workers err towards pausing.
+    ``write(fields)`` merges the fields into the record; ``last`` is the newest set, for the loop's own writes.
+    """
+
+    def __init__(self, run: Run, planner: Planner, write: Callable[[dict[str, Any]], None] | None = None):
+        self.run, self.planner, self.write = run, planner, write
+        self.max_age_s = IN_FLIGHT_BEATS * run.config.run.heartbeat_interval_s + CLOCK_SKEW_S
+        self.last: dict[str, Any] = {}
+        self.wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, write: Callable[[dict[str, Any]], None]) -> None:
+        self.write = write
+        self.refresh()
+        self._thread = threading.Thread(target=self._run, name="feed", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.wake.wait(FEED_S)
+            self.wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.refresh()
+            except Exception as e:  # the storage for a moment: the next refresh tries again
+                log.warning("feed not refreshed: %s", e)
+
+    def refresh(self) -> dict[str, Any]:
+        fleet = {
+            w.id: {
+                "incarnation": w.incarnation,
+                "in_flight": w.in_flight,
+                "published_samples": w.published_samples,
+            }
+            for w in heartbeats.load_workers(self.run.layout).records
+            if w.state in LIVE_STATES and w.age_s() < self.max_age_s
+        }
+        c = self.planner.count()
+        fields = {
+            **c.as_counts(),
+            "planned_step": c.planned_step,
+            "open_from": c.open_from,
+            "window_consumed": c.window_consumed,
+            "fleet": fleet,
+            "feed_at": time.time(),
+        }
+        self.last = fields
+        if self.write is not None:
+            self.write(fields)
+        return fields
+
+    def close(self) -> None:
+        self._stop.set()
+        self.wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
 def on_rank0(fn: Callable[[], Any]) -> Any:
     """``fn()`` run on rank 0, its result on every rank.  An exception there is raised on every rank: rank 0
     raises its own, the others a FencedError alike or a RuntimeError naming it (not every exception unpickles)."""
@@ -116,7 +190,7 @@ class Feeder:
         self.run, self.stop = run, stop
         self.timed_out = False
         self.planner: Planner | None = None
-        self.backlog: BacklogCounter | None = None
+        self.keeper: FeedKeeper | None = None
         self.replay: dict[int, Plan] = {}
         self.ahead: tuple[int, Future[StepBatch | None]] | None = None
         self.pool: ThreadPoolExecutor | None = None
@@ -125,11 +199,16 @@ class Feeder:
         self.last_drop = -float("inf")
         self.dropped_waiting = 0  # stale samples dropped while waiting for the current step
         if plan_log is not None:
-            self.planner = Planner(run.layout, plan_log, run.config.model.vocab_size)
-            self.backlog = BacklogCounter(run.layout)
+            cfg = run.config
+            limits = Limits(
+                cfg.model.vocab_size, cfg.context_length(), cfg.rollout.sampling.max_response_length
+            )
+            self.planner = Planner(run.layout, plan_log, limits)
+            self.keeper = FeedKeeper(run, self.planner)
             self.replay = {p.step: p for p in plan_log.replay(after_step=after_step)}
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-            self.hint = ShardHint(run.layout.shards_ready)
+            # a publisher's rename out of shards/tmp is the local sign of a new shard, whatever its bucket
+            self.hint = ShardHint(run.layout.shards_tmp)
             if self.replay:
                 log.info("replaying recorded plans of steps %s", sorted(self.replay))
 
@@ -139,16 +218,26 @@ class Feeder:
         assert self.planner is not None
         if step in self.replay:
             plan = self.replay[step]
+            poisoned = read_poisoned(self.run.layout, step)
+            if poisoned is not None:  # its data failed the trainer once: never again
+                del self.replay[step]
+                log.warning(
+                    "step %d is marked poisoned (%s): replayed without its samples", step, poisoned.reason
+                )
+                missing = [f"{n}#{r}" for n, r in plan.rows(plan.takes)]
+                return StepBatch([], plan.dropped, True, missing, {"load": 0.0, "plan": 0.0})
             back = self.planner.replay(plan)  # an I/O error leaves the plan to be tried again
             del self.replay[step]
             timings = dict(self.planner.timings)
-            return StepBatch(back.samples, len(plan.dropped_ids), True, back.missing, timings)
+            return StepBatch(back.samples, plan.dropped, True, back.missing, timings)
         t, a = self.run.config.trainer, self.run.config.algorithm
         drop = a.staleness_mode == "drop"
         got = self.planner.try_plan(step, t.samples_per_step, version, t.max_staleness, drop, drop_only)
         if got is None:
             return None
-        return StepBatch(got[1], len(got[0].dropped_ids), False, timings=dict(self.planner.timings))
+        if self.keeper is not None:
+            self.keeper.wake.set()  # workers see the planned step at once
+        return StepBatch(got[1], got[0].dropped, False, timings=dict(self.planner.timings))
 
     def _prefetch(self, step: int, version: int) -> StepBatch | None:
         try:
@@ -254,13 +343,20 @@ class Feeder:
             return
         self.ahead = (step, self.pool.submit(self._prefetch, step, version))
 
-    def counts(self) -> dict[str, int]:
-        """The run's backlog (``buffer.status.Backlog``) and the shards this trainer quarantined (rank 0)."""
-        if self.planner is None or self.backlog is None:
+    def start_feed(self, write: Callable[[dict[str, Any]], None]) -> None:
+        """Rank 0 starts refreshing the feed fields through ``write`` (the status record's writer)."""
+        if self.keeper is not None:
+            self.keeper.start(write)
+
+    def counts(self) -> dict[str, Any]:
+        """The feed fields as last refreshed and the shards this trainer quarantined (rank 0)."""
+        if self.planner is None or self.keeper is None:
             return {}
-        return {**self.backlog.read().as_counts(), "quarantined": self.planner.cache.quarantined}
+        return {**self.keeper.last, "quarantined": self.planner.cache.quarantined}
 
     def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.close()
         if self.pool is not None:
             self.pool.shutdown(wait=True)  # a plan being written is finished, never cut
         if self.hint is not None:

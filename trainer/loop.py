@@ -30,8 +30,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from buffer import heartbeats
+from buffer.logs import logger, setup_logging
 from buffer.metrics import Sinks, open_sinks, wandb_target
-from buffer.plans import FencedError, PlanLog
+from buffer.plans import FencedError, PlanLog, mark_poisoned
 from buffer.records import RecordError, RunFinished, TrainerStatus
 from buffer.run import Run
 from buffer.status import mark_finished, read_finished
@@ -40,15 +41,26 @@ from trainer import checkpoint as ckpt
 from trainer import dist as tdist
 from trainer.feed import Feeder, StepBatch, on_rank0
 from trainer.lora import AdaptersOff
-from trainer.metrics import setup_logging, step_line
-from trainer.model import build_actor, build_critic, build_optimizer, build_reference, build_scheduler
+from trainer.metrics import step_line
+from trainer.model import build_actor, build_critic, build_reference
+from trainer.optim import build_optimizer, build_scheduler
 from trainer.step import Models, kl_controller, train_step
 from trainer.versions import Publisher, Settled, latest_problem, starting_version
 
-log = logging.getLogger("trainer")
+log = logger("trainer")
 
-EXIT_FENCED = 3
+# A trainer fenced out by a newer incarnation stops cleanly: the run goes on there, and a non-zero status would make
+# torchrun print a traceback of a failure that is none.
+EXIT_FENCED = 0
+EXIT_STORAGE = 1  # storage failed under the trainer (the last checkpoint could not be saved)
 EXIT_TIMEOUT = 4
+EXIT_POISONED = 5
+
+
+class PoisonedStep(RuntimeError):
+    """A step's data failed the trainer; the step is marked so that its replay leaves the data out."""
+
+
 PHASES = ("wait", "plan", "load", "compute", "publish", "checkpoint")
 FINAL_SAVE_ATTEMPTS = 4
 
@@ -159,7 +171,7 @@ class Reporter:
         self.last_error: str | None = None
         self.publishing: int | None = None  # the version being written in the background
         if tdist.is_main():
-            tb = run.layout.root / "tensorboard" if run.config.trainer.tensorboard else None
+            tb = run.layout.tensorboard if run.config.trainer.tensorboard else None
             self.sink = open_sinks(run.layout.metrics_file("trainer"), tb, wandb_target(run, "trainer"))
             self.writer = heartbeats.trainer_status(run.layout, epoch=epoch, resumed_from=state.step)
 
@@ -168,8 +180,17 @@ class Reporter:
         self.last_error = message
         log.error("%s", message)
 
+    def feed(self, fields: dict[str, Any]) -> None:
+        """The feed fields (``feed.FeedKeeper``), merged into the status record from the feed's thread."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.update(**fields)
+        except OSError as e:
+            log.warning("status record not written: %s", e)
+
     def status(
-        self, what: str, state: TrainState, counts: dict[str, int], waiting: str | None = None
+        self, what: str, state: TrainState, counts: dict[str, Any], waiting: str | None = None
     ) -> None:
         if self.writer is None:
             return
@@ -189,7 +210,7 @@ class Reporter:
             log.warning("status record not written: %s", e)
 
     def step(
-        self, step: int, metrics: dict[str, Any], state: TrainState, counts: dict[str, int], next_wait: str
+        self, step: int, metrics: dict[str, Any], state: TrainState, counts: dict[str, Any], next_wait: str
     ) -> None:
         """Log ``step``'s metrics and line; the record then says the trainer waits, for ``next_wait``."""
         if self.sink is None:
@@ -422,7 +443,16 @@ def train_one(
     if not last:
         loop.feeder.prefetch(step + 1, loop.versions.version_after(step, loop.state, batch))
     t0 = time.monotonic()
-    m = train_step(loop.run.config, loop.models, batch.samples, pad_id)
+    try:
+        m = train_step(loop.run.config, loop.models, batch.samples, pad_id)
+    except torch.OutOfMemoryError as e:
+        # Its data fails the step (the planner refuses samples past the run's limits, so this is a batch too big
+        # for the device): recorded, so that the restart replays the step without it instead of failing again.
+        reason = f"out of memory: {str(e).splitlines()[0][:300]}"
+        mark_poisoned(loop.run.layout, step, loop.report.epoch, reason)
+        raise PoisonedStep(
+            f"step {step}: {reason}; marked poisoned, a restart replays it without its samples"
+        ) from e
     return m, time.monotonic() - t0
 
 
@@ -500,7 +530,8 @@ def mark_done(loop: Loop) -> None:
 def train(run: Run) -> TrainState:
     """The whole trainer on this rank; raises FencedError / TimeoutError (on every rank alike) to stop early."""
     tdist.init()
-    setup_logging(tdist.rank())
+    # rank 0 logs at INFO; the other ranks only warnings, so the console shows one line per step
+    setup_logging("trainer", level=logging.INFO if tdist.is_main() else logging.WARNING)
     done = finished_before(run)
     if done is not None:
         if tdist.is_main():
@@ -517,6 +548,7 @@ def train(run: Run) -> TrainState:
     state = resume(run, models, epoch)
     feeder = Feeder(run, state.step, plan_log, stop)
     report = Reporter(run, epoch, state)
+    feeder.start_feed(report.feed)
     problem = on_rank0(lambda: latest_problem(run.layout))
     if problem is not None:  # the next commit replaces it
         report.error(f"{problem}; publishing v{state.version + 1} next")
@@ -540,17 +572,19 @@ def train(run: Run) -> TrainState:
 
 
 def run_trainer(run: Run) -> int:
-    """Exit status: 0 done, 1 the last checkpoint could not be saved, 3 fenced out by a newer incarnation, 4 gave up
-    waiting for samples (a bad config never gets here: the config rules refused it when the run was opened)."""
+    """Exit status: 0 done or fenced out by a newer incarnation, 1 the last checkpoint could not be saved, 4 gave up
+    waiting for samples, 5 a step's data failed it (marked poisoned: a restart replays the step without it) (a bad config never gets here: the config rules refused it when the run was opened)."""
     torch.manual_seed(run.config.run.seed)
     try:
         train(run)
     except FencedError as e:
-        code, msg = EXIT_FENCED, f"trainer: stopped: {e}"
+        code, msg = EXIT_FENCED, f"trainer: stopped: {e}; the newer trainer goes on with the run"
     except TimeoutError as e:
         code, msg = EXIT_TIMEOUT, f"trainer: gave up: {e}"
+    except PoisonedStep as e:
+        code, msg = EXIT_POISONED, f"trainer: stopped: {e}"
     except OSError as e:
-        code, msg = 1, f"trainer: stopped: {e}"
+        code, msg = EXIT_STORAGE, f"trainer: stopped: {e}"
     else:
         tdist.teardown()
         return 0

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from buffer.config import AdapterConfig, ConfigError
-from trainer.model import Actor, reshard
+from trainer.logprobs import Actor
+from trainer.sharding import reshard, resolve_param_dtype
 
 ADAPTER = "default"  # peft's name of the one adapter the trainer trains
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
@@ -76,8 +77,6 @@ def maybe_lora(
 ) -> nn.Module:
     """``apply_lora`` when ``settings`` turns LoRA on (rank > 0), the base frozen in the trainer's compute dtype
     (``trainer.param_dtype`` on ``device``); ``model`` unchanged otherwise."""
-    from trainer.model import resolve_param_dtype
-
     if settings is None or not settings.enabled:
         return model
     return apply_lora(model, settings, resolve_param_dtype(param_dtype, device), what)  # type: ignore[arg-type]

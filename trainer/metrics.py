@@ -1,24 +1,12 @@
-"""The trainer's logging setup and the one fixed-field line per step that rank 0 prints.
+"""The one fixed-field line per step that rank 0 prints.
 
-The metric sinks themselves (JSONL always, TensorBoard when installed) are ``buffer.metrics.open_sinks``.
+Logging itself is set up by ``buffer.logs.setup_logging``; the metric sinks (JSONL always, TensorBoard when
+installed) are ``buffer.metrics.open_sinks``.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger("trainer")
-
-
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO; the other ranks only warnings, so the console shows one line per step."""
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
 
 
 def _time(m: dict[str, Any]) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -325,24 +325,33 @@ def _denominator(given: float | None, local: torch.Tensor, name: str) -> torch.T
     return given
 
 
+class Normalisers(NamedTuple):
+    """The denominators `aggregate` divides by, over the whole optimizer step (see there); None = the local count
+    (or, for ``length``, the padded width)."""
+
+    tokens: float | None = None  # masked-in response tokens, all micro-batches and ranks
+    seqs: float | None = None  # sequences with at least one masked-in token, likewise
+    length: float | None = None  # seq-mean-token-sum-norm's constant: the run's maximum response length
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     clip_low: float,
     clip_high: float,
     dual_clip: float | None,
     agg_mode: AggMode,
-    global_tokens: float | None = None,
-    global_seqs: float | None = None,
-    norm_length: float | None = None,
+    norms: Normalisers = Normalisers(),
     is_weight: torch.Tensor | None = None,
     ratio_level: Level = "token",
 ) -> tuple[torch.Tensor, Metrics]:
     """Clipped PPO surrogate with asymmetric clipping, optional dual clip and optional per-token weight.
 
-    ``logp`` (with grad), ``old_logp``, ``advantages``, ``mask``, ``is_weight`` [B, T] -> ``(loss, metrics)``.
+    ``logp`` (with grad), ``old_logp``, ``advantages``, ``mask``, ``is_weight`` [B, T] -> ``(loss, metrics)``;
+    ``norms`` are the normalisers of `aggregate`.
 
     ``ratio = exp(logp - old_logp)``; per token ``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``.
     With ``dual_clip = c > 1``, tokens with ``A < 0`` are further capped at ``-c * A``: a token whose ratio has
@@ -352,7 +361,9 @@ def policy_loss(
 
     ``ratio_level="sequence"`` is GSPO: every token of a sequence uses the sequence's ratio, the geometric mean of its
     token ratios ``s = exp(mean over its masked-in tokens of logp - old_logp)`` (see `sequence_log_ratio`), so the
-    clip keeps or cuts whole sequences, and a length-normalised ratio stays near 1 for long responses too.
+    clip keeps or cuts whole sequences, and a length-normalised ratio stays near 1 for long responses too.  The dual
+    clip applies to that ratio as it does to a token's when given; GSPO itself has none, and the config leaves it
+    off with ``policy_loss = "gspo"`` unless ``algorithm.dual_clip`` is set.
 
     Metrics (masked token-means, detached): ``clip_frac_low`` / ``clip_frac_high`` are the tokens where the lower
     (``A < 0``) / upper (``A > 0``) clip is active, i.e. their gradient is cut; ``dual_clip_frac`` the tokens
@@ -381,7 +392,7 @@ def policy_loss(
         loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, bound), loss_tok)
     if is_weight is not None:
         loss_tok = loss_tok * is_weight.detach()
-    loss = aggregate(loss_tok, mask, agg_mode, global_tokens, global_seqs, norm_length)
+    loss = aggregate(loss_tok, mask, agg_mode, norms.tokens, norms.seqs, norms.length)
 
     r = ratio.detach()
     cut = clipped.detach() > unclipped.detach()

@@ -23,6 +23,14 @@ base model's path and ``buffer.weights.base_model_hash``.  A *merged* version (`
 end of a run) is full weights, base + alpha/r * B @ A computed shard by shard on the owning rows (A is gathered, it is
 rank x in), written by the parallel writer above, with the same adapter in ``adapter/`` so LoRA workers keep serving
 adapters on their unchanged base.
+
+Delta versions (``trainer.publish_full_every`` > 1).  After a full version is committed, each rank keeps a host copy
+of the bytes it wrote (its 1/world share of the model: with deltas on, each rank holds that much host memory more).
+A later version is then published as a delta against it (``buffer/deltas.py``) when every rank has that base and the
+same file header (same tensors, same owners): each rank XORs its new bytes with the kept ones and writes the
+compressed result instead of its safetensors file, hashing the full bytes as it goes; rank 0 writes ``delta.json``
+with every rank's entry, sealed by the manifest like any file.  A rank without the base (a restarted trainer) makes
+every rank publish in full.  Adapter and merged LoRA versions are always full.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from buffer import weights
+from buffer import deltas, weights
 from buffer.config import AdapterConfig
 from buffer.layout import RunLayout
 from buffer.plans import FencedError
@@ -74,6 +82,19 @@ ADAPTER_DIR = "adapter"  # the adapter inside a merged full version
 _WRITE_BLOCK = 64 << 20  # bytes per write() call
 # The host buffer of the tensors a rank writes, kept across publishes: pinning memory is slow.
 _PINNED: list[torch.Tensor] = []
+
+
+@dataclass
+class _Base:
+    """This rank's part of the last full version committed, the base of the deltas that follow it."""
+
+    version: int
+    file: str | None  # this rank's file name (None: it owned no tensor)
+    header: bytes
+    host: torch.Tensor | None  # a copy of the file's tensor bytes
+
+
+_BASE: list[_Base] = []  # at most one
 
 
 @dataclass
@@ -449,6 +470,8 @@ class StagedVersion:
     adapter_dir: str | None = None  # where the adapter goes in the version ("." or ADAPTER_DIR)
     lora: AdapterConfig | None = None
     kind: str = "full"  # "full" | "adapter", as the manifest says
+    delta_base: int | None = None  # written as a delta against this full version (every rank agreed)
+    keep_base: bool = False  # once committed in full, keep this rank's bytes as the base of later deltas
 
     @property
     def nbytes(self) -> int:
@@ -471,10 +494,13 @@ def stage_weights(
     bucket_bytes: int = 512 << 20,
     lora: AdapterConfig | None = None,
     merged: bool = False,
+    delta_base: int | None = None,
+    keep_base: bool = False,
 ) -> StagedVersion:
     """The device half of a publish (collective): empty the staging directory, exchange every tensor to its owner
     rank and copy it to host memory.  ``write_staged`` does the rest, possibly in another thread while the model
-    trains on.  Arguments as ``publish_weights``."""
+    trains on.  Arguments as ``publish_weights``; ``delta_base`` asks for a delta against that version (full when
+    a rank does not hold it), ``keep_base`` keeps a full version as the base of later deltas (full weights only)."""
     if dtype not in PUBLISH_DTYPES:
         raise WeightsError(f"publish dtype {dtype!r} is not one of {', '.join(PUBLISH_DTYPES)}")
     world, me = tdist.world(), tdist.rank()
@@ -503,7 +529,39 @@ def stage_weights(
             if order:
                 staged.rank_file, staged.header = staging / shard_file_name(me, world), _header(order)
             staged.index = _index(items, world) if me == 0 else None
+            staged.keep_base = keep_base and lora is None
+            if delta_base is not None and lora is None:
+                agreed = tdist.all_gather_object(_has_base(staged, delta_base))
+                staged.delta_base = delta_base if all(agreed) else None
     return staged
+
+
+def _has_base(staged: StagedVersion, version: int) -> bool:
+    """Whether this rank holds version ``version`` as a base whose file layout is ``staged``'s."""
+    if not _BASE or _BASE[0].version != version:
+        return False
+    base = _BASE[0]
+    name = staged.rank_file.name if staged.rank_file is not None else None
+    return base.file == name and base.header == staged.header
+
+
+def _keep_base(staged: StagedVersion) -> None:
+    """After ``staged`` was committed in full: its bytes become this rank's base (a copy: the host buffer is reused
+    by the next publish)."""
+    host = staged.host.clone() if staged.host is not None and staged.rank_file is not None else None
+    name = staged.rank_file.name if staged.rank_file is not None else None
+    _BASE[:] = [_Base(staged.version, name, staged.header, host)]
+
+
+def _write_rank_delta(staged: StagedVersion) -> deltas.DeltaFile:
+    """This rank's file as a delta against its kept base, in the staging directory."""
+    assert staged.rank_file is not None and staged.host is not None and _BASE and _BASE[0].host is not None
+    base = _BASE[0]
+    assert base.host is not None
+    source = f"v{base.version} {base.file}"
+    base_tensors = deltas.tensors_of(base.header, base.host.numpy().data.cast("B"), source)
+    out = staged.staging / (staged.rank_file.name + deltas.DELTA_SUFFIX)
+    return deltas.encode_file(out, staged.header, staged.host.numpy().data.cast("B"), base_tensors)
 
 
 def _write_rank0_files(staged: StagedVersion) -> None:
@@ -513,8 +571,20 @@ def _write_rank0_files(staged: StagedVersion) -> None:
         _write_metadata(staged.staging, staged.index, staged.dtype, staged.src_model_dir)
 
 
-def _commit(staged: StagedVersion, digests: list[str | None]) -> None:
+def _commit(staged: StagedVersion, digests: list[Any]) -> None:
+    """Rank 0: seal the version; ``digests`` has each rank's file digest, or for a delta each rank's DeltaFile
+    (None: a rank without a file)."""
     world = len(digests)
+    delta = None
+    if staged.delta_base is not None:
+        files = {shard_file_name(r, world): d for r, d in enumerate(digests) if d is not None}
+        base_dir = staged.layout.weight_version(staged.delta_base)
+        try:
+            base_sha = deltas.manifest_sha256(base_dir)
+        except FileNotFoundError:
+            raise WeightsError(f"{base_dir}: the base of this delta is gone") from None
+        delta = deltas.DeltaRecord(base=staged.delta_base, base_manifest_sha256=base_sha, files=files)
+        digests = []
     known = {shard_file_name(r, world): d for r, d in enumerate(digests) if d is not None}
     base = (
         {}
@@ -530,6 +600,7 @@ def _commit(staged: StagedVersion, digests: list[str | None]) -> None:
         known_digests=known,
         kind=staged.kind,
         adapter=staged.adapter_dir,
+        delta=delta,
         **base,
     )
 
@@ -560,9 +631,12 @@ def write_staged(
     Any failure (a full disk on any rank) raises PublishError with one message on every rank, after rank 0 removed
     the staging directory; FencedError from ``before_commit`` is raised as such on every rank.
     """
-    error = sha = None
+    error = None
+    sha: str | deltas.DeltaFile | None = None
     try:
-        if staged.rank_file is not None:
+        if staged.rank_file is not None and staged.delta_base is not None:
+            sha = _write_rank_delta(staged)
+        elif staged.rank_file is not None:
             sha = _write_rank_file(staged.rank_file, staged.header, staged.host)
         if tdist.is_main():
             _write_rank0_files(staged)
@@ -590,6 +664,8 @@ def write_staged(
         if kind == "fenced":
             raise FencedError(message)
         raise PublishError(f"publishing v{staged.version}: {message}")
+    if staged.keep_base and staged.delta_base is None:
+        _keep_base(staged)
 
 
 def publish_weights(
@@ -604,13 +680,16 @@ def publish_weights(
     bucket_bytes: int = 512 << 20,
     lora: AdapterConfig | None = None,
     merged: bool = False,
+    delta_base: int | None = None,
+    keep_base: bool = False,
 ) -> None:
     """Publish ``model`` (an ``Actor`` or HF model, FSDP2-sharded or not) as weight version ``version``.
 
     Collective: call on every rank.  ``dtype`` is the publish dtype (float32, bfloat16, float16); ``tied`` drops the
     ``lm_head.weight`` alias; ``src_model_dir`` is the base model whose config and tokenizer files ride along.
     With ``lora`` (``model.lora`` of a model that carries adapters) the version is the adapter alone, or with
-    ``merged`` the merged full weights plus the adapter in ``adapter/``.
+    ``merged`` the merged full weights plus the adapter in ``adapter/``.  ``delta_base``/``keep_base``: see
+    ``stage_weights``.
     Returns once LATEST points at the new version on every rank.  (The trainer's loop runs the two halves,
     ``stage_weights`` and ``write_staged``, apart: the write overlaps the next step.)
     """
@@ -625,5 +704,7 @@ def publish_weights(
         bucket_bytes=bucket_bytes,
         lora=lora,
         merged=merged,
+        delta_base=delta_base,
+        keep_base=keep_base,
     )
     write_staged(staged)

@@ -31,7 +31,9 @@ from buffer.config import ShardRLConfig
 from trainer import dist as tdist
 from trainer import ppo
 from trainer.data import Sample, assign_to_ranks, batch_to, collate, microbatches, split_updates
-from trainer.model import batch_logprobs, batch_values, clip_grad_norm_
+from trainer.logprobs import batch_logprobs
+from trainer.model import batch_values
+from trainer.optim import clip_grad_norm_
 
 Batch = dict[str, torch.Tensor]
 
@@ -93,14 +95,15 @@ class MiniBatch:
 
 GradHook = Callable[[Models], None]
 
-# The normalisers of one mini-batch's losses, in the order `ppo.aggregate` takes them: response tokens and sequences
-# of the whole mini-batch (all ranks), and the constant response length of seq-mean-token-sum-norm.
-Counts = tuple[float, float, float]
+# The normalisers of one mini-batch's losses: response tokens and sequences of the whole mini-batch (all ranks), and
+# the constant response length of seq-mean-token-sum-norm.  The other loss terms take them splatted, in the order
+# `ppo.aggregate` takes them.
+Counts = ppo.Normalisers
 
 
 def _loss_counts(cfg: ShardRLConfig, mini: MiniBatch) -> Counts:
     tokens, seqs = mini.counts
-    return tokens, seqs, float(cfg.rollout.sampling.max_response_length)
+    return Counts(tokens, seqs, float(cfg.rollout.sampling.max_response_length))
 
 
 class _Metrics:
@@ -319,11 +322,11 @@ def _policy_terms(
         old,
         adv,
         mask,
-        a.clip_low,
-        a.clip_high,
-        a.dual_clip,
-        a.loss_agg,
-        *counts,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        dual_clip=a.dual_clip,
+        agg_mode=a.loss_agg,
+        norms=counts,
         is_weight=weight,
         ratio_level=ratio_level,
     )

@@ -9,6 +9,11 @@ the only part the step waits for), then a thread writes the files and rank 0 com
 LATEST atomic), over a gloo process group of its own, while the next step computes.  At most one version is in
 flight: the next publish, a checkpoint, the end of the run, or a wait for samples first settles it.
 
+Full and delta versions.  With ``trainer.publish_full_every`` = N > 1, a full version is followed by up to N - 1
+versions published as deltas against it (``trainer/publish.py``, ``buffer/deltas.py``): a few percent of the bytes
+for bf16 weights after a small step.  The first publish of a trainer process, the one after a failed publish, and
+every LoRA version are full; retention (``buffer.weights.garbage_collect``) keeps the base of every delta it keeps.
+
 Failures (a full disk on any rank).  The staging directory is removed and the error goes into the trainer status
 (``last_error``).  Publishing is required for progress: rollout workers can only follow published weights, so a
 trainer that trained on would make every later sample more off-policy than ``trainer.max_staleness`` admits,
@@ -92,13 +97,18 @@ class Publisher:
         self.group: Any = dist.new_group(backend="gloo") if tdist.world() > 1 else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self.inflight: tuple[int, bool, Future[float]] | None = None
+        self.staged: StagedVersion | None = None  # the version in flight
         self.write_s = 0.0  # the write time of the last version settled
+        self.base: int | None = None  # the full version deltas are made against (None: the next is full)
 
     def start(self, models: Models, version: int, step: int, merged: bool) -> None:
         """Stage ``version`` (the caller's step waits for this) and write it in the background."""
         assert self.inflight is None, "a version is still in flight"
         cfg = self.run.config
         lora = cfg.model.lora if cfg.model.lora.enabled else None
+        full_every = cfg.trainer.publish_full_every
+        deltas_on = full_every > 1 and lora is None
+        delta_base = self.base if deltas_on and self.base and version - self.base < full_every else None
         staged = stage_weights(
             models.actor,
             self.run.layout,
@@ -109,7 +119,10 @@ class Publisher:
             src_model_dir=self.run.model_dir,
             lora=lora,
             merged=merged,
+            delta_base=delta_base,
+            keep_base=deltas_on,
         )
+        self.staged = staged
         self.inflight = (version, merged, self.pool.submit(self._write, staged))
 
     def _write(self, staged: StagedVersion) -> float:
@@ -136,11 +149,14 @@ class Publisher:
         if self.inflight is None:
             return None
         version, merged, future = self.inflight
-        self.inflight = None
+        staged, self.inflight, self.staged = self.staged, None, None
         try:
             self.write_s = future.result()
         except PublishError as e:
+            self.base = None  # the retry publishes in full: whatever failed may have been the base
             return Settled(version, 0.0, str(e), merged)
+        if staged is not None and staged.keep_base and staged.delta_base is None:
+            self.base = version
         return Settled(version, self.write_s, None, merged)
 
     def publish_now(self, models: Models, version: int, step: int, merged: bool) -> Settled:

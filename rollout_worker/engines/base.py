@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from buffer.deltas import DELTA_RECORD
 from buffer.records import RecordError
 from buffer.weights import MANIFEST, WeightsError, base_model_hash, read_manifest
 
@@ -133,11 +134,15 @@ def plan_load(weights_dir: Path, *, lora_rank: int, base_sha256: str | None, bas
     """What an engine (``lora_rank`` > 0: a LoRA engine on the base ``base_dir``) does with ``weights_dir``.
 
     A published version says what it holds in its manifest; a directory without one (made by hand, a benchmark) is
-    an adapter when it holds ``adapter_config.json``, and has no base fingerprint to check.
+    an adapter when it holds ``adapter_config.json``, and has no base fingerprint to check.  A delta version of the
+    run directory (a caller that did not go through the node-local cache) is rebuilt there first, and the plan
+    loads that copy.
     """
     weights_dir = Path(weights_dir)
     if not weights_dir.is_dir():
         raise EngineError(f"{weights_dir}: weights directory not found")
+    if (weights_dir / DELTA_RECORD).is_file():
+        weights_dir = _rebuilt(weights_dir)
     adapter: Path | None = weights_dir if (weights_dir / ADAPTER_CONFIG).is_file() else None
     full = adapter is None
     trained_on: str | None = None
@@ -168,6 +173,18 @@ def plan_load(weights_dir: Path, *, lora_rank: int, base_sha256: str | None, bas
         )
     adapter_rank(adapter, lora_rank)
     return LoadPlan("adapter", adapter)
+
+
+def _rebuilt(delta_dir: Path) -> Path:
+    """The node-local full copy of the delta version ``delta_dir`` (``RUN/weights/vXXXXXX``)."""
+    from buffer.layout import RunLayout
+    from buffer.localcache import NodeCache
+
+    try:
+        version = read_manifest(delta_dir).version
+        return NodeCache.of_run(RunLayout.of(delta_dir.parent.parent)).materialise(version).path
+    except (RecordError, WeightsError) as e:
+        raise EngineError(str(e)) from None
 
 
 def adapter_rank(adapter_dir: Path, max_rank: int) -> int:

@@ -237,7 +237,8 @@ class HFEngine:
         if plan.what == "adapter":
             self._load_adapter(plan.path)
             return
-        files = safetensors_files(Path(weights_dir))
+        weights_dir = plan.path  # a delta version's rebuilt copy
+        files = safetensors_files(weights_dir)
         state: dict[str, Any] = {}
         for f in files:
             state.update(load_file(f, device=str(self.device)))

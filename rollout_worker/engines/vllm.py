@@ -13,13 +13,23 @@ With LoRA the engine starts with ``enable_lora`` (``max_lora_rank``: the configu
 has kernels for) and a new version is a new ``LoRARequest`` id, registered with ``add_lora`` at load time (so a bad
 adapter is refused there, not in the next generate) while the base weights never move; the previous id is removed.
 The prefix cache needs no reset: vLLM keys cached blocks by adapter.
+
+On the CPU build the engine runs without chunked prefill: its seeded sampler fails on a prompt prefilled in parts
+(``RuntimeError: CPU Generator does not use offset``), which a batch larger than ``max_num_batched_tokens`` would
+otherwise cause.  vLLM then needs a token budget that holds one whole sequence (a config rule checks it at init).
+When the engine dies, vLLM's own exception only says "see stack trace above"; ``EngineDied`` carries the root
+exception instead, read from what the engine's processes wrote to this process's stderr (the worker's log).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
+import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +50,66 @@ EXTENSION = f"{__name__}.WorkerExtension"
 _OWN_OPTIONS = {"cpu_kvcache_space_gib", "cpu_threads_bind"}
 # The adapter ranks vLLM 0.32 accepts as max_lora_rank.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+# A line that names an exception: bare (``RuntimeError: ...``) or in a vLLM process's log prefix
+# (``(Worker pid=12) ERROR 12-01 19:06:39 [multiproc_executor.py:1063] RuntimeError: ...``).
+_EXCEPTION_LINE = re.compile(r"^(?:\(\w+ pid=\d+\) ERROR .*?\] )?((?:\w+\.)*\w*(?:Error|Exception)): (.+)$")
+# Phrases of vLLM's wrapper exceptions, which point at a root cause instead of being one.
+_WRAPPER_PHRASES = ("stack trace", "root cause", "encountered an issue")
+_LOG_TAIL_BYTES = 1 << 20
+
+
+class EngineDied(RuntimeError):
+    """The vLLM engine's processes died; the message is the root exception from the log when one was found."""
+
+
+def root_cause(log_text: str) -> str | None:
+    """The first exception line of ``log_text`` that is not one of vLLM's "see the stack trace" wrappers."""
+    for line in log_text.splitlines():
+        m = _EXCEPTION_LINE.match(line.rstrip())
+        if m is None or any(p in m.group(2).lower() for p in _WRAPPER_PHRASES):
+            continue
+        return f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}"[:400]
+    return None
+
+
+def _stderr_size() -> int | None:
+    """Size of this process's stderr when it is a regular file (a worker's log), else None."""
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _stderr_since(offset: int | None) -> str:
+    if offset is None:
+        return ""
+    with contextlib.suppress(OSError), open("/proc/self/fd/2", "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(offset, end - _LOG_TAIL_BYTES))
+        return f.read().decode(errors="replace")
+    return ""
+
+
+def _is_engine_death(e: BaseException) -> bool:
+    text = str(e).lower()
+    return type(e).__name__ == "EngineDeadError" or any(p in text for p in _WRAPPER_PHRASES)
+
+
+@contextlib.contextmanager
+def engine_errors(log_offset: int | None) -> Iterator[None]:
+    """Turn vLLM's "engine died, see above" into ``EngineDied`` naming the root exception from the log."""
+    try:
+        yield
+    except Exception as e:
+        if not _is_engine_death(e):
+            raise
+        cause = root_cause(_stderr_since(log_offset))
+        if cause is None:
+            raise
+        raise EngineDied(f"vLLM engine died: {cause}") from e
 
 
 def max_lora_rank(rank: int) -> int:
@@ -90,9 +160,18 @@ def configure_cpu_env(options: dict[str, Any]) -> None:
 
 
 def llm_kwargs(
-    model_dir: Path, *, dtype: str, seed: int, max_model_len: int, options: dict[str, Any], lora_rank: int = 0
+    model_dir: Path,
+    *,
+    dtype: str,
+    seed: int,
+    max_model_len: int,
+    options: dict[str, Any],
+    lora_rank: int = 0,
+    cpu: bool = False,
 ) -> dict[str, Any]:
-    """``vllm.LLM`` keyword arguments: ours, then the options (``None`` = vLLM's default; dtype ``auto`` = ours)."""
+    """``vllm.LLM`` keyword arguments: ours, then the options (``None`` = vLLM's default; dtype ``auto`` = ours).
+
+    ``cpu``: the CPU build, which runs without chunked prefill (see the module's docstring)."""
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -102,6 +181,8 @@ def llm_kwargs(
         "worker_extension_cls": EXTENSION,
         "enforce_eager": True,
     }
+    if cpu:
+        kwargs["enable_chunked_prefill"] = False
     if lora_rank > 0:  # one adapter at a time: the newest version
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1)
     for key, value in options.items():
@@ -128,6 +209,7 @@ class VllmEngine:
         options = dict(options or {})
         configure_cpu_env(options)
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.model_dir, self.lora_rank = model_dir, lora_rank
         self.base_sha256 = engine_base_hash(model_dir, lora_rank)
@@ -140,9 +222,12 @@ class VllmEngine:
             max_model_len=max_model_len,
             options=options,
             lora_rank=lora_rank,
+            cpu=current_platform.is_cpu(),
         )
         self.max_model_len = int(self.kwargs["max_model_len"])
-        self.llm = LLM(**self.kwargs)
+        self.log_offset = _stderr_size()  # the engine's processes write to our stderr from here on
+        with engine_errors(self.log_offset):
+            self.llm = LLM(**self.kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.last_reload_s = 0.0
 
@@ -168,7 +253,8 @@ class VllmEngine:
         # stream distinct (one seed for the whole batch would give identical prompts identical samples).
         per_prompt = [params(sample_seed(sampling.seed, i, sampling.n, 0)) for i in range(len(prompt_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
-        outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, lora_request=self.lora_request)
+        with engine_errors(self.log_offset):
+            outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, lora_request=self.lora_request)
         return [[self._completion(req.prompt_token_ids, out) for out in req.outputs] for req in outputs]
 
     def _completion(self, prompt_ids: Any, out: Any) -> Completion:
@@ -196,6 +282,7 @@ class VllmEngine:
         if plan.what == "adapter":
             self._load_adapter(plan.path)
             return
+        weights_dir = plan.path  # a delta version's rebuilt copy
         safetensors_files(weights_dir)
         seconds = self.llm.collective_rpc("shardrl_reload_weights", kwargs={"weights_path": str(weights_dir)})
         self.last_reload_s = max(float(s) for s in seconds)  # one result per tensor-parallel rank

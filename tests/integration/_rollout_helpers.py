@@ -105,7 +105,7 @@ def ready_rows(run: Run) -> list[dict[str, Any]]:
 
 def assert_ready_shards_valid(run: Run, group_size: int) -> int:
     """Every file in shards/ready is a valid shard of whole groups; returns the sample count."""
-    names = sorted(os.listdir(run.layout.shards_ready))
+    names = sorted(s.name for s in shards.list_ready(run.layout))
     total = 0
     for name in names:
         table = shards.read_shard(run.layout.ready_shard(name), run.config.model.vocab_size)

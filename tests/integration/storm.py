@@ -329,7 +329,9 @@ class Storm:
     def warm_up(self, timeout_s: float = 360.0) -> None:
         """Calm until the trainer planned its first step: on two loaded cores an engine or a trainer takes tens of
         seconds to start, and a storm that begins before anything works tests only start-ups."""
-        self.wait("the trainer's first plan", lambda: any(self.layout.plans.glob("step-*.json")), timeout_s)
+        self.wait(
+            "the trainer's first plan", lambda: any(self.layout.plans.glob("s[0-9]*/step-*.json")), timeout_s
+        )
         self.say("warmed up: the trainer planned its first step; the storm begins")
 
     def tick_restarts(self, now: float) -> None:
@@ -464,7 +466,10 @@ def _check_shards(layout: RunLayout, vocab: int | None, run_id: str | None, a: A
             continue
         out[s.name] = [str(x) for x in table.column("sample_id").to_pylist()]
         groups.update(str(g) for g in table.column("group_id").to_pylist())
-    names = {p.name for p in layout.shards_ready.iterdir()}
+    buckets = {layout.ready_bucket(b).name for b in shards.ready_buckets(layout)}
+    top = list(layout.shards_ready.iterdir())
+    names = {p.name for p in top if p.name not in buckets}
+    names |= {p.name for d in top if d.name in buckets for p in d.iterdir()}
     for odd in sorted(names - set(out) - {s.name for s in shards.list_ready(layout)}):
         a.problems.append(f"shards/ready/{odd} is not a shard")
     partial = sorted(g for g, n in groups.items() if n != GROUP)
@@ -493,7 +498,7 @@ def _valid_plans(layout: RunLayout, a: Audit) -> dict[int, list[Plan]]:
         if p.stem.isdigit():
             claims[int(p.stem)] = read_record(EpochClaim, p).max_step
     out: dict[int, list[Plan]] = {}
-    for p in sorted(layout.plans.glob("step-*.json")):
+    for p in sorted(layout.plans.glob("s[0-9]*/step-*.json")):
         try:
             plan = read_record(Plan, p)
         except RecordError as e:
@@ -503,6 +508,15 @@ def _valid_plans(layout: RunLayout, a: Audit) -> dict[int, list[Plan]]:
             out.setdefault(plan.step, []).append(plan)
     a.figures["trainer_epochs"] = len(claims)
     return out
+
+
+def _ids_of(plan: Plan, ranges: list[list[int]], by_shard: dict[str, list[str]]) -> list[str]:
+    """The sample ids of a plan's row ranges; a row no shard holds becomes a name no shard has (counted as lost)."""
+    ids = []
+    for name, row in plan.rows(ranges):
+        held = by_shard.get(name, [])
+        ids.append(held[row] if row < len(held) else f"{name}#{row}")
+    return ids
 
 
 def _check_plans(layout: RunLayout, by_shard: dict[str, list[str]], a: Audit) -> None:
@@ -521,8 +535,9 @@ def _check_plans(layout: RunLayout, by_shard: dict[str, list[str]], a: Audit) ->
     trained = dropped = 0
     for s in steps:
         for plan in plans[s]:
-            used.update([*plan.sample_ids, *plan.dropped_ids])
-            trained, dropped = trained + len(plan.sample_ids), dropped + len(plan.dropped_ids)
+            taken, gone = _ids_of(plan, plan.takes, by_shard), _ids_of(plan, plan.drops, by_shard)
+            used.update([*taken, *gone])
+            trained, dropped = trained + len(taken), dropped + len(gone)
             for name in plan.shards:
                 if name not in by_shard:
                     a.problems.append(f"plan step {s} names shard {name}, which is not in shards/ready")
@@ -543,7 +558,7 @@ def _check_plans(layout: RunLayout, by_shard: dict[str, list[str]], a: Audit) ->
         samples_lost=len(lost),
         samples_unconsumed=len([sid for sid in where if sid not in used]),
         steps=len(steps),
-        steps_trained=sum(1 for s in steps if any(p.sample_ids for p in plans[s])),  # the rest only dropped
+        steps_trained=sum(1 for s in steps if any(p.samples for p in plans[s])),  # the rest only dropped
     )
 
 

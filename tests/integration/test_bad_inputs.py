@@ -570,8 +570,11 @@ def _ipc(table: pa.Table, stream: bool = False) -> bytes:
     return sink.getvalue()
 
 
+BUCKET = 0  # the shards these tests write by hand go into one bucket
+
+
 def _named(data: bytes, rows: int = 4) -> tuple[str, bytes]:
-    return ShardName("w", "bad", 0, rows, zlib.crc32(data)).name, data
+    return ShardName(BUCKET, "w", "bad", 0, rows, zlib.crc32(data)).name, data
 
 
 def _truncated_keep_name() -> tuple[str, bytes]:
@@ -713,13 +716,14 @@ SHARDS = [
 def shard_run(tmp_path: Path) -> RunLayout:
     layout = RunLayout.of(tmp_path / "run")
     layout.create()
-    layout.run_json.write_text(json.dumps({"run_id": RUN_ID, "schema_version": 2, "created_at": 0}))
+    layout.ready_bucket(BUCKET).mkdir()
+    layout.run_json.write_text(json.dumps({"run_id": RUN_ID, "schema_version": 3, "created_at": 0}))
     return layout
 
 
 def _good_neighbour(layout: RunLayout) -> str:
     data = _ipc(_table())
-    name = ShardName("w", "good", 0, 4, zlib.crc32(data)).name
+    name = ShardName(BUCKET, "w", "good", 0, 4, zlib.crc32(data)).name
     layout.ready_shard(name).write_bytes(data)
     return name
 
@@ -753,7 +757,7 @@ def test_zero_row_shard_is_empty_or_rejected_as_such(shard_run: RunLayout) -> No
 
 
 def test_directory_with_a_shard_name_is_quarantined(shard_run: RunLayout) -> None:
-    name = ShardName("w", "dir", 0, 4, 0).name
+    name = ShardName(BUCKET, "w", "dir", 0, 4, 0).name
     shard_run.ready_shard(name).mkdir()
     assert load_or_quarantine(shard_run, name, VOCAB) is None
     reason = json.loads(shard_run.quarantine_reason(name).read_text())["reason"]

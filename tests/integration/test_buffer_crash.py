@@ -39,7 +39,8 @@ def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     assert len(ready) >= 8, "the writer should have published shards before being killed"
     for s in ready:  # every visible shard is complete and valid
         shards.read_shard(layout.ready_shard(s.name))
-    assert sorted(os.listdir(layout.shards_ready)) == sorted(s.name for s in ready)
+    in_buckets = [n for b in shards.ready_buckets(layout) for n in os.listdir(layout.ready_bucket(b))]
+    assert sorted(in_buckets) == sorted(s.name for s in ready)
     # the killed writers' temporaries: fsck finds them, --repair removes them, then fsck is clean
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     (layout.run_json).write_text(

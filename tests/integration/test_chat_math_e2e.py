@@ -95,7 +95,7 @@ def test_chat_prompts_with_math_answer_train_end_to_end(tmp_path: Path) -> None:
                 p.terminate()
                 p.wait(timeout=60)
 
-    tables = [shards.read_shard(layout.shards_ready / s.name) for s in shards.list_ready(layout)]
+    tables = [shards.read_shard(layout.ready_shard(s.name)) for s in shards.list_ready(layout)]
     rows = pa.concat_tables(tables).to_pylist()
     assert rows, tail(logs / "rollout.log")
     answers = {a for _, a in QUESTIONS}
@@ -105,5 +105,5 @@ def test_chat_prompts_with_math_answer_train_end_to_end(tmp_path: Path) -> None:
         sample = Sample(prompt=r["prompt_text"], finish_reason=r["finish_reason"])
         expected = math_answer(r["response_text"], r["answer"], extra={"source": "hand"}, sample=sample)
         assert r["reward"] == expected, r
-    consumed = {i for p in plans.valid_plans(layout).values() for i in p.sample_ids}
+    consumed = {i for p in plans.valid_plans(layout).values() for i in plans.sample_ids_of(layout, p)}
     assert len(consumed) == 16 and consumed <= {r["sample_id"] for r in rows}

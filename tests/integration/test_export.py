@@ -51,7 +51,9 @@ def test_export_writes_a_loadable_model_and_refuses_a_damaged_version(run: Run, 
     out = tmp_path / "v1"
     p = shardrl("export", str(run.layout.root), "--version", "1", str(out))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == str(out)
+    assert p.stdout.startswith(f"exported weights v1 (step 1) to {out}: "), p.stdout
+    for name in ("config.json", "manifest.json", "model.safetensors", "tokenizer.json"):
+        assert name in p.stdout.split(": ", 1)[1], p.stdout
     assert sha256_file(out / "model.safetensors") == sha256_file(run.model_dir / "model.safetensors")
     assert json.loads((out / "manifest.json").read_text())["version"] == 1
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -76,7 +78,10 @@ def test_export_writes_a_loadable_model_and_refuses_a_damaged_version(run: Run, 
         assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
         assert f"{weights}: sha256 does not match the manifest" in p.stderr
     assert not (tmp_path / "v2").exists()
-    for version, message in (("7", "manifest.json: missing"), ("x", "expected a version number or `latest`")):
+    for version, message in (
+        ("7", "versions kept: 1, 2; or --version latest"),
+        ("x", "expected a version number or `latest`"),
+    ):
         p = shardrl("export", str(run.layout.root), "--version", version, str(tmp_path / "v7"))
         assert p.returncode == 2 and message in p.stderr and p.stderr.count("\n") == 1, p.stderr
     p = shardrl("export", str(run.layout.root), "--version", "1", str(out))
@@ -93,7 +98,7 @@ def test_export_shards_to_parquet_reads_back_as_one_dataset(run: Run, tmp_path: 
     out = tmp_path / "parquet"
     p = shardrl("export-shards", str(run.layout.root), "--format", "parquet", str(out))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == f"wrote 3 Parquet file(s) to {out} (0 already there, 0 bad)"
+    assert p.stdout.strip() == f"wrote 3 Parquet file(s) (24 samples) to {out} (0 already there, 0 bad)"
     table = ds.dataset(out, format="parquet").to_table()
     expected = {sid for s in ready for sid in shards.sample_ids(run.layout, s.name)}
     assert table.num_rows == 24 and set(table.column("sample_id").to_pylist()) == expected
@@ -111,4 +116,6 @@ def test_export_shards_to_parquet_reads_back_as_one_dataset(run: Run, tmp_path: 
     p = shardrl("export-shards", str(run.layout.root), "--format", "parquet", str(out))
     assert p.returncode == 1
     assert p.stdout.splitlines()[0].startswith(f"SKIPPED {bad.name}: checksum mismatch")
-    assert p.stdout.splitlines()[-1] == f"wrote 0 Parquet file(s) to {out} (3 already there, 1 bad)"
+    assert (
+        p.stdout.splitlines()[-1] == f"wrote 0 Parquet file(s) (0 samples) to {out} (3 already there, 1 bad)"
+    )

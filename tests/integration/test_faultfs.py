@@ -60,6 +60,11 @@ def layout(ffs: FaultFS) -> Iterator[RunLayout]:
     ffs.clear()
 
 
+def _consumed_rows(layout: RunLayout) -> set[tuple[str, int]]:
+    """(shard, row) of every sample a valid plan consumed."""
+    return {row for p in plans.valid_plans(layout).values() for row in p.rows(p.takes) + p.rows(p.drops)}
+
+
 def under(layout: RunLayout, sub: str) -> str:
     """A rule pattern for ``sub`` inside the run directory (rule paths are relative to the mount root)."""
     return f"{layout.root.name}/{sub}"
@@ -213,7 +218,7 @@ def test_shard_publish_retries_a_transient_write_error(ffs: FaultFS, layout: Run
     ids=["estale-open", "enoent-after-rename-twice", "stale-attr"],
 )
 def test_shard_read_survives_transient_faults(ffs: FaultFS, layout: RunLayout, rule: dict[str, Any]) -> None:
-    ffs.set({**rule, "path": under(layout, "shards/ready/*")})
+    ffs.set({**rule, "path": under(layout, "shards/ready/*.arrow")})
     path = writer_with(layout).flush()
     assert path is not None
     table = shards.load_or_quarantine(layout, path.name)
@@ -226,7 +231,9 @@ def test_shard_read_survives_transient_faults(ffs: FaultFS, layout: RunLayout, r
 def test_shard_read_survives_one_eio(ffs: FaultFS, layout: RunLayout) -> None:
     path = writer_with(layout).flush()
     assert path is not None
-    ffs.set({"op": "read", "errno": "EIO", "path": under(layout, "shards/ready/*"), "count": ONE_VISIBLE})
+    ffs.set(
+        {"op": "read", "errno": "EIO", "path": under(layout, "shards/ready/*.arrow"), "count": ONE_VISIBLE}
+    )
     rc, out = read_in_child(layout, path.name)
     assert ffs.fired() == [ONE_VISIBLE]
     assert (rc, out) == (0, {"rows": 4})
@@ -236,7 +243,7 @@ def test_shard_read_survives_one_eio(ffs: FaultFS, layout: RunLayout) -> None:
 def test_shard_read_persistent_eio_is_an_error_not_a_crash(ffs: FaultFS, layout: RunLayout) -> None:
     path = writer_with(layout).flush()
     assert path is not None
-    ffs.set({"op": "read", "errno": "EIO", "path": under(layout, "shards/ready/*")})
+    ffs.set({"op": "read", "errno": "EIO", "path": under(layout, "shards/ready/*.arrow")})
     rc, out = read_in_child(layout, path.name)
     assert rc == 0, f"the reader died (exit {rc})"
     assert path.name in out.get("error", "")
@@ -247,7 +254,7 @@ def test_shard_read_persistent_eio_is_an_error_not_a_crash(ffs: FaultFS, layout:
 def test_shard_unreadable_for_a_while_is_not_quarantined(ffs: FaultFS, layout: RunLayout) -> None:
     path = writer_with(layout).flush()
     assert path is not None
-    ffs.set({"op": "open", "errno": "ESTALE", "path": under(layout, "shards/ready/*")})
+    ffs.set({"op": "open", "errno": "ESTALE", "path": under(layout, "shards/ready/*.arrow")})
     with pytest.raises(OSError) as e:
         shards.load_or_quarantine(layout, path.name)
     assert path.name in str(e.value)
@@ -256,7 +263,7 @@ def test_shard_unreadable_for_a_while_is_not_quarantined(ffs: FaultFS, layout: R
 
 
 def test_shard_visible_late_is_read_once_visible(ffs: FaultFS, layout: RunLayout) -> None:
-    ffs.set({"kind": "late_names", "path": under(layout, "shards/ready/*"), "seconds": 2.0})
+    ffs.set({"kind": "late_names", "path": under(layout, "shards/ready/*.arrow"), "seconds": 2.0})
     path = writer_with(layout).flush()
     assert path is not None
     assert shards.list_ready(layout) == []  # the lookup cache hides it: only latency
@@ -274,12 +281,13 @@ def test_plan_write_enospc_raises_and_resumes(ffs: FaultFS, layout: RunLayout) -
     log = plans.PlanLog.claim(layout)
     ffs.set({"op": "write", "errno": "ENOSPC", "path": under(layout, "plans/*")})
     with pytest.raises(OSError) as e:
-        log.write_plan(1, ["s"], ["a", "b"])
+        log.write_plan(1, ["s"], [("s", 0), ("s", 1)])
     assert e.value.errno == errno.ENOSPC
     assert plans.valid_plans(layout) == {}
     ffs.clear()
-    log.write_plan(1, ["s"], ["a", "b"])
-    assert plans.valid_plans(layout)[1].sample_ids == ["a", "b"]
+    log.write_plan(1, ["s"], [("s", 0), ("s", 1)])
+    plan = plans.valid_plans(layout)[1]
+    assert plan.rows(plan.takes) == [("s", 0), ("s", 1)]
 
 
 @pytest.mark.parametrize(
@@ -292,16 +300,16 @@ def test_plan_write_enospc_raises_and_resumes(ffs: FaultFS, layout: RunLayout) -
 )
 def test_plan_read_retries_transient_errors(ffs: FaultFS, layout: RunLayout, rule: dict[str, Any]) -> None:
     log = plans.PlanLog.claim(layout)
-    log.write_plan(1, ["s"], ["a"])
-    ffs.set({**rule, "path": under(layout, "plans/step-*")})
-    assert plans.consumed_ids(plans.valid_plans(layout).values()) == {"a"}
+    log.write_plan(1, ["s"], [("s", 0)])
+    ffs.set({**rule, "path": under(layout, "plans/*/step-*")})
+    assert _consumed_rows(layout) == {("s", 0)}
     assert ffs.fired() == [ONE_VISIBLE]
 
 
 def test_plan_read_persistent_error_is_raised_not_skipped(ffs: FaultFS, layout: RunLayout) -> None:
     log = plans.PlanLog.claim(layout)
-    log.write_plan(1, ["s"], ["a"])
-    ffs.set({"op": "read", "errno": "EIO", "path": under(layout, "plans/step-*")})
+    log.write_plan(1, ["s"], [("s", 0)])
+    ffs.set({"op": "read", "errno": "EIO", "path": under(layout, "plans/*/step-*")})
     # a plan that cannot be read must stop the trainer, never make its samples look unconsumed
     with pytest.raises(OSError) as e:
         plans.valid_plans(layout)
@@ -310,13 +318,13 @@ def test_plan_read_persistent_error_is_raised_not_skipped(ffs: FaultFS, layout: 
 
 def test_claim_does_not_fence_out_a_plan_it_cannot_see_yet(ffs: FaultFS, layout: RunLayout) -> None:
     old = plans.PlanLog.claim(layout)
-    old.write_plan(1, ["s"], ["a"])
-    ffs.set({"kind": "late_names", "path": under(layout, "plans/step-*"), "seconds": 3.0})
-    old.write_plan(2, ["s"], ["b"])  # recorded (and maybe trained and checkpointed) before the crash
+    old.write_plan(1, ["s"], [("s", 0)])
+    ffs.set({"kind": "late_names", "path": under(layout, "plans/*/step-*"), "seconds": 3.0})
+    old.write_plan(2, ["s"], [("s", 1)])  # recorded (and maybe trained and checkpointed) before the crash
     assert 2 not in plans.valid_plans(layout)  # the restarted trainer's node does not see it yet
     plans.PlanLog.claim(layout)
-    wait_for(lambda: len(os.listdir(layout.plans)) >= 3)
-    assert plans.consumed_ids(plans.valid_plans(layout).values()) == {"a", "b"}
+    wait_for(lambda: len(os.listdir(layout.plan_bucket(0))) >= 2)
+    assert _consumed_rows(layout) == {("s", 0), ("s", 1)}
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -544,7 +552,7 @@ def _publish_shard(layout: RunLayout) -> None:
 
 
 def _write_plan(layout: RunLayout) -> None:
-    plans.PlanLog(layout, 1).write_plan(1, ["s"], ["a"])
+    plans.PlanLog(layout, 1).write_plan(1, ["s"], [("s", 0)])
 
 
 def _write_latest(layout: RunLayout) -> None:
@@ -596,7 +604,7 @@ def _renew_lease(layout: RunLayout) -> None:
     "protocol, pattern, name",
     [
         pytest.param(_publish_shard, "shards/tmp/*", "shards/tmp", id="shard"),
-        pytest.param(_write_plan, "plans/.tmp.step-*", "step-00000001", id="plan"),
+        pytest.param(_write_plan, "plans/*/.tmp.step-*", "step-00000001", id="plan"),
         pytest.param(_write_latest, "weights/.tmp.LATEST*", "LATEST", id="latest"),
         pytest.param(_apply_command, "control/.tmp.*", "control/gen-", id="control"),
         pytest.param(_renew_lease, "leases/*/.tmp.*", "slot-0000", id="lease"),
@@ -614,7 +622,7 @@ def test_write_errors_name_the_file(
 
 
 def _read_plans(layout: RunLayout) -> None:
-    plans.PlanLog.claim(layout).write_plan(1, ["s"], ["a"])
+    plans.PlanLog.claim(layout).write_plan(1, ["s"], [("s", 0)])
     plans.valid_plans(layout)
 
 
@@ -631,7 +639,7 @@ def _verify_version(layout: RunLayout) -> None:
 @pytest.mark.parametrize(
     "protocol, pattern, name",
     [
-        pytest.param(_read_plans, "plans/step-*", "step-00000001", id="plan"),
+        pytest.param(_read_plans, "plans/*/step-*", "step-00000001", id="plan"),
         pytest.param(_read_latest, "weights/LATEST", "LATEST", id="latest"),
         pytest.param(_verify_version, "weights/v*/manifest.json", "manifest.json", id="manifest"),
     ],

@@ -61,7 +61,7 @@ def _all_ready_shards_valid(layout: RunLayout) -> int:
 def _consumed_once(layout: RunLayout) -> int:
     seen: set[str] = set()
     for p in plans.valid_plans(layout).values():
-        ids = [*p.sample_ids, *p.dropped_ids]
+        ids = [*plans.sample_ids_of(layout, p), *plans.sample_ids_of(layout, p, "drops")]
         assert not seen.intersection(ids), f"plan step {p.step} consumes samples another plan consumed"
         seen.update(ids)
     return len(seen)

@@ -103,8 +103,17 @@ def test_the_audit_reports_each_kind_of_damage(
     valid = plans.valid_plans(layout)
     last = valid[max(valid)]
     # a sample consumed twice, and one planned that no shard holds
+    first, rows = last.takes[0], shards.ShardName.parse(last.shards[last.takes[0][0]])
+    assert rows is not None
     extra = Plan(
-        step=last.step + 1, epoch=last.epoch, shards=last.shards, sample_ids=[last.sample_ids[0], "ghost"]
+        step=last.step + 1,
+        epoch=last.epoch,
+        shards=last.shards,
+        takes=[
+            [first[0], first[1], first[1] + 1],
+            [first[0], rows.rows, rows.rows + 1],
+        ],  # the second: a ghost
+        samples=2,
     )
     assert create_record(layout.plan(extra.step, extra.epoch), extra)
     # a damaged ready shard, and a quarantined one without its reason

@@ -86,6 +86,14 @@ def _record(run: Run, sup: subprocess.Popen) -> dict[str, Any]:
     return next((r for r in heartbeats.read_supervisors(run.layout) if r.get("pid") == sup.pid), {})
 
 
+def _beats(read: Callable[[], dict[str, Any]], what: str, n: int = 3) -> None:
+    """Wait until the record ``read`` returns was written ``n`` more times: the process's loop turned that often (a
+    supervisor polls control.json more often than it beats), so "nothing changed" is checked after it had every
+    chance to act, not after a guessed sleep."""
+    beat = int(read().get("beat", -1))
+    wait_for(f"{n} more beats of {what}", lambda: int(read().get("beat", -1)) >= beat + n, 30)
+
+
 def _running(run: Run, sup: subprocess.Popen, slots: set[int], log: Path) -> dict[int, int] | None:
     """{slot: worker pid} once ``sup`` holds exactly ``slots`` and each of their workers is up; else None."""
     if sup.poll() is not None:
@@ -128,10 +136,10 @@ def _sigterm_and_check(run: Run, sup: subprocess.Popen, worker_pids: set[int], l
 
 def _consume(run: Run, trainer: plans.PlanLog, step: int) -> None:
     """What a trainer step does to the backlog: a plan that consumes every ready sample not consumed yet."""
-    done = plans.consumed_ids(plans.valid_plans(run.layout).values())
+    done = plans.Consumption.load(run.layout)
     names = [s.name for s in shards.list_ready(run.layout)]
-    ids = [i for n in names for i in shards.sample_ids(run.layout, n) if i not in done]
-    trainer.write_plan(step, names, ids)
+    rows = [(n, r) for s in shards.list_ready(run.layout) for n, r in ((s.name, r) for r in range(s.rows))]
+    trainer.write_plan(step, names, [(n, r) for n, r in rows if not done.is_consumed(n, r)])
 
 
 def _kill_all(pids: set[int]) -> None:
@@ -158,7 +166,7 @@ def test_scale_by_control_file_restart_and_drain(model: Path, tmp_path: Path) ->
         assert "not valid JSON" in reason["reason"]
         assert snapshot(run.layout)["control"]["last_rejection"]["reason"] == reason["reason"]
         assert control.read_state(run.layout).desired == 3
-        time.sleep(1.0)
+        _beats(lambda: _record(run, sup), "the supervisor")
         assert _running(run, sup, {0, 1, 2}, log) == pids
 
         # scale down: the highest slot drains, exits and gives its lease back
@@ -269,7 +277,8 @@ def test_two_supervisors_share_pause_at_backlog_and_take_over(model: Path, tmp_p
             90,
         )
         held = _ready(run)
-        time.sleep(2.0)
+        for k in range(3):  # every worker looked at the backlog again, and still held
+            _beats(lambda k=k: worker(run, f"w{k}"), f"w{k}")
         assert _ready(run) == held
         per_worker_slack = 4 * 2 + 8  # a batch that passed the check + what it had buffered
         assert bound < held <= bound + 3 * per_worker_slack
@@ -320,7 +329,9 @@ def test_crash_loop_fails_the_worker_and_frees_its_slot(model: Path, tmp_path: P
         )
         assert rec == {"0": "engine exploded: simulated crash"}
         assert not control.all_leases(run.layout)
-        time.sleep(1.5)  # the slot is left for other nodes, not retaken here
+        _beats(
+            lambda: _record(run, sup), "the supervisor"
+        )  # the slot is left for other nodes, not retaken here
         assert _record(run, sup)["slots"] == [] and not control.all_leases(run.layout)
         assert stop(sup) == 0
     finally:
@@ -350,7 +361,7 @@ def test_sigterm_kills_a_worker_that_cannot_drain_in_time(model: Path, tmp_path:
         assert elapsed < deadline, elapsed
         assert not alive(pid) and not control.all_leases(run.layout)
         assert "did not drain in time; killing it" in log.read_text()
-        assert not os.listdir(run.layout.shards_ready)  # the batch it was scoring never reached a shard
+        assert not shards.list_ready(run.layout)  # the batch it was scoring never reached a shard
     finally:
         stop(sup)
         _kill_all({pid} if pid else set())
@@ -524,7 +535,7 @@ def test_a_stalled_supervisors_worker_stops_before_another_supervisor_takes_its_
             lambda: _record(run, a).get("slots") == [] and "lost the lease" in log_a.read_text(),
             30,
         )
-        time.sleep(1.0)
+        _beats(lambda: _record(run, a), "supervisor A")
         assert _running(run, b, {0}, log_b) == {0: new} and _record(run, a)["slots"] == []
         assert len(_shards_by_incarnation(run, "w0")) == 2
         assert stop(a) == 0

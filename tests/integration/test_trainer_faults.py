@@ -23,11 +23,12 @@ import pytest
 from buffer import plans, shards
 from buffer.heartbeats import read_trainer
 from buffer.layout import RunLayout
+from buffer.plans import sample_ids_of
 from buffer.shards import ShardName
 from buffer.status import backlog
 from buffer.weights import commit_version, latest_version, staging_dir, verify_version, write_latest
 from trainer.checkpoint import latest_complete_checkpoint
-from trainer.data import Planner
+from trainer.data import Limits, Planner
 
 from ._trainer_helpers import (
     command,
@@ -56,7 +57,11 @@ def _run(root: Path, model: Path, **overrides: Any) -> RunLayout:
 
 
 def _planned(layout: RunLayout) -> list[str]:
-    return [s for p in plans.valid_plans(layout).values() for s in p.sample_ids + p.dropped_ids]
+    return [
+        s
+        for p in plans.valid_plans(layout).values()
+        for s in sample_ids_of(layout, p) + sample_ids_of(layout, p, "drops")
+    ]
 
 
 def _status(layout: RunLayout) -> dict[str, Any]:
@@ -85,7 +90,7 @@ def test_a_duplicated_shard_is_quarantined_and_nothing_is_trained_twice(
     names = [_shard(layout, f"w{i}") for i in range(3)]
     s = ShardName.parse(names[1])
     assert s is not None
-    copy = ShardName(s.worker_id, s.incarnation, s.seq + 7, s.rows, s.crc).name
+    copy = ShardName(s.bucket, s.worker_id, s.incarnation, s.seq + 7, s.rows, s.crc).name
     shutil.copyfile(
         layout.ready_shard(names[1]), layout.ready_shard(copy)
     )  # the same samples, a second valid name
@@ -134,9 +139,9 @@ def test_stale_samples_are_dropped_while_waiting_and_the_backlog_falls(
     finally:
         kill_tree(proc)
     valid = plans.valid_plans(layout)
-    assert valid[1].sample_ids == [] and set(valid[1].dropped_ids) == stale
-    assert set(valid[2].sample_ids) == set(shards.sample_ids(layout, fresh)) and not stale & set(
-        valid[2].sample_ids
+    assert sample_ids_of(layout, valid[1]) == [] and set(sample_ids_of(layout, valid[1], "drops")) == stale
+    assert set(sample_ids_of(layout, valid[2])) == set(shards.sample_ids(layout, fresh)) and not stale & set(
+        sample_ids_of(layout, valid[2])
     )
     recs = metrics(layout)
     assert [(r["step"], r["samples"], r["dropped_stale"]) for r in recs] == [(1, 0, 3 * STEP), (2, STEP, 0)]
@@ -151,9 +156,10 @@ def test_replay_goes_on_after_a_planned_shard_is_damaged_or_deleted(
     layout = _run(tmp_path / "run", tiny_model_tied, trainer__samples_per_step=3 * STEP)
     names = [_shard(layout, f"w{i}") for i in range(3)]
     # An incarnation that planned step 1 and died before training it.
-    planner = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    planner = Planner(layout, plans.PlanLog.claim(layout), Limits())
     assert planner.try_plan(1, 3 * STEP, 0, 1000, True) is not None
-    lost = set(shards.sample_ids(layout, names[0])) | set(shards.sample_ids(layout, names[1]))
+    # the samples of the two shards, as a plan names them (shard and row): their ids are in the shards only
+    lost = {f"{n}#{r}" for n in names[:2] for r in range(len(shards.sample_ids(layout, n)))}
     layout.ready_shard(names[0]).unlink()
     data = bytearray(layout.ready_shard(names[1]).read_bytes())
     data[100] ^= 0xFF

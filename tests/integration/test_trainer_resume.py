@@ -23,7 +23,7 @@ import pytest
 
 from buffer import shards
 from buffer.layout import RunLayout
-from buffer.plans import valid_plans
+from buffer.plans import sample_ids_of, valid_plans
 from buffer.weights import latest_version, verify_version
 from trainer.checkpoint import latest_complete_checkpoint
 
@@ -31,6 +31,7 @@ from ._trainer_helpers import (
     adam_steps,
     checkpoint_tensors,
     command,
+    env,
     kill_tree,
     make_run,
     metrics,
@@ -124,9 +125,11 @@ def _checkpoint_world(layout: RunLayout) -> tuple[int, int]:
 def _audit(layout: RunLayout, tmp: Path) -> None:
     valid = valid_plans(layout)
     assert sorted(valid) == list(range(1, N_STEPS + 1))
-    planned = [s for p in valid.values() for s in p.sample_ids + p.dropped_ids]
+    planned = [
+        s for p in valid.values() for s in sample_ids_of(layout, p) + sample_ids_of(layout, p, "drops")
+    ]
     assert len(planned) == len(set(planned)), "a sample is in two plans"
-    assert all(p.dropped_ids == [] for p in valid.values())
+    assert all(sample_ids_of(layout, p, "drops") == [] for p in valid.values())
     everything = {s for sh in shards.list_ready(layout) for s in shards.sample_ids(layout, sh.name)}
     assert set(planned) == everything, "samples lost or invented"
 
@@ -206,14 +209,23 @@ def test_a_second_incarnation_fences_out_the_first(tmp_path: Path, tiny_model_ti
         wait_for(
             f"the first incarnation to train\n{tail(zombie_log)}", lambda: _records_now(layout) >= 1, 120
         )
-        run_ok(command(1, *trainer_args(layout, "--max-steps", 2)), tmp_path / "second.log")
+        refused = subprocess.run(
+            command(1, *trainer_args(layout, "--max-steps", 2)),
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert refused.returncode == 2 and "pass --takeover" in refused.stderr, refused.stderr[-3000:]
+        run_ok(command(1, *trainer_args(layout, "--max-steps", 2, "--takeover")), tmp_path / "second.log")
         rc = zombie.wait(timeout=60)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"the fenced incarnation kept running:\n{tail(zombie_log)}") from None
     finally:
         kill_tree(zombie)
     out = zombie_log.read_text()
-    assert rc != 0, out[-3000:]
+    assert rc == 0, out[-3000:]  # a clean stop: torchrun prints no traceback
+    assert "Traceback" not in out, out[-3000:]
     ours = [line for line in out.splitlines() if line.startswith("trainer: ")]
     assert len(ours) == 1 and "newer trainer incarnation (epoch 2) took over from epoch 1" in ours[0], out[
         -3000:
@@ -221,11 +233,13 @@ def test_a_second_incarnation_fences_out_the_first(tmp_path: Path, tiny_model_ti
     assert 'File "' + str(Path(__file__).resolve().parents[2] / "trainer") not in out  # no traceback of ours
 
     claim = json.loads(layout.epoch(2).read_text())
-    zombie_plans = sorted(int(p.name[5:13]) for p in layout.plans.glob("step-*.e1.json"))
+    zombie_plans = sorted(int(p.name[5:13]) for p in layout.plans.glob("s*/step-*.e1.json"))
     assert zombie_plans and max(zombie_plans) <= claim["max_step"], "the fenced incarnation wrote a plan"
     valid = valid_plans(layout)
     assert sorted(valid) == list(range(1, max(valid) + 1))
-    planned = [s for p in valid.values() for s in p.sample_ids + p.dropped_ids]
+    planned = [
+        s for p in valid.values() for s in sample_ids_of(layout, p) + sample_ids_of(layout, p, "drops")
+    ]
     assert len(planned) == len(set(planned))
     second = [r for r in metrics(layout) if r["epoch"] == 2]
     assert [r["step"] for r in second] == [second[0]["resumed_from"] + 1, second[0]["resumed_from"] + 2]

@@ -9,7 +9,7 @@ from pathlib import Path
 from buffer import shards
 from buffer.heartbeats import read_trainer
 from buffer.layout import RunLayout
-from buffer.plans import valid_plans
+from buffer.plans import sample_ids_of, valid_plans
 from buffer.weights import commit_version, staging_dir
 
 from ._trainer_helpers import command, make_run, metrics, run_ok, trainer_args, write_groups
@@ -58,8 +58,8 @@ def _run_at_version(tmp: Path, model: Path, mode: str) -> RunLayout:
 def test_stale_samples_are_dropped_and_counted(tmp_path: Path, tiny_model_tied: Path) -> None:
     layout = _run_at_version(tmp_path, tiny_model_tied, "drop")
     plan = valid_plans(layout)[1]
-    assert sorted(plan.dropped_ids) == sorted(_ids(layout, "old"))
-    assert sorted(plan.sample_ids) == sorted(_ids(layout, "new"))
+    assert sorted(sample_ids_of(layout, plan, "drops")) == sorted(_ids(layout, "old"))
+    assert sorted(sample_ids_of(layout, plan)) == sorted(_ids(layout, "new"))
     (rec,) = metrics(layout)
     assert rec["dropped_stale"] == 2 * GROUP and rec["samples"] == 2 * GROUP and rec["staleness_max"] == 0
     status = read_trainer(layout)
@@ -74,7 +74,9 @@ def test_stale_samples_are_dropped_and_counted(tmp_path: Path, tiny_model_tied: 
 def test_keep_mode_trains_on_stale_samples_oldest_first(tmp_path: Path, tiny_model_tied: Path) -> None:
     layout = _run_at_version(tmp_path, tiny_model_tied, "keep")
     plan = valid_plans(layout)[1]
-    assert plan.dropped_ids == [] and sorted(plan.sample_ids) == sorted(_ids(layout, "old"))
+    assert sample_ids_of(layout, plan, "drops") == [] and sorted(sample_ids_of(layout, plan)) == sorted(
+        _ids(layout, "old")
+    )
     (rec,) = metrics(layout)
     assert rec["dropped_stale"] == 0 and rec["staleness_max"] == 3
     status = read_trainer(layout)

@@ -8,6 +8,7 @@ from typing import Any
 
 from buffer.config import ShardRLConfig
 from buffer.layout import RunLayout
+from buffer.records import Plan
 
 
 def make_layout(tmp_path: Path) -> RunLayout:
@@ -42,3 +43,29 @@ def sample(
         "response_text": "9",
         "answer": "9",
     }
+
+
+def publish_ids(layout: RunLayout, ids: list[str], worker: str = "w0", run_id: str = "run") -> str:
+    """A real shard holding one sample per id of ``ids``, in that order (row i is ``ids[i]``); its name."""
+    from buffer.shards import ShardWriter
+
+    w = ShardWriter(layout, run_id, worker)
+    for i, sid in enumerate(ids):
+        w.add(sample(i) | {"sample_id": sid})
+    path = w.flush()
+    assert path is not None
+    return path.name
+
+
+def plan_sample_ids(layout: RunLayout, plan: Plan, which: str = "takes") -> list[str]:
+    """The sample ids of ``plan``'s ``takes`` (or ``drops``), in the plan's order, read from its ready shards."""
+    from buffer.shards import read_shard
+
+    assert which in ("takes", "drops"), which
+    ids: dict[str, list[str]] = {}
+    out = []
+    for name, row in plan.rows(plan.takes if which == "takes" else plan.drops):
+        if name not in ids:
+            ids[name] = read_shard(layout.ready_shard(name)).column("sample_id").to_pylist()
+        out.append(ids[name][row])
+    return out

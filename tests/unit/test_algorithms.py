@@ -141,7 +141,15 @@ def test_gspo_sequence_ratio_clips_whole_sequences_by_hand() -> None:
     adv = t([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0], [2.0, 2.0, 0.0]])
     logp = log_ratio.clone().requires_grad_()
     loss, m = ppo.policy_loss(
-        logp, torch.zeros_like(logp), adv, mask, 0.2, 0.2, None, "token-mean", ratio_level="sequence"
+        logp,
+        torch.zeros_like(logp),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=None,
+        agg_mode="token-mean",
+        ratio_level="sequence",
     )
     close(loss, (2 * -1.2 + 3 * 0.8 + 2 * -2.0) / 7)
     close(m["clip_frac_high"], 2 / 7, atol=1e-6)
@@ -155,7 +163,16 @@ def test_gspo_sequence_ratio_clips_whole_sequences_by_hand() -> None:
     close(logp.grad, [[0, 0, 0], [0, 0, 0], [-2 / 7, -2 / 7, 0]])
     # Token-level PPO on the same input clips only row 0's second token (e^0.3 = 1.35) and row 1's first and
     # third (e^-0.5 = 0.61, e^-0.3 = 0.74; e^-0.1 = 0.90 is inside): 3 of 7 tokens, where the sequence ratio cut 5.
-    _, tok = ppo.policy_loss(logp.detach(), torch.zeros_like(logp), adv, mask, 0.2, 0.2, None, "token-mean")
+    _, tok = ppo.policy_loss(
+        logp.detach(),
+        torch.zeros_like(logp),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        dual_clip=None,
+        agg_mode="token-mean",
+    )
     close(tok["clip_frac_high"] + tok["clip_frac_low"], 3 / 7, atol=1e-6)
 
 
@@ -172,10 +189,10 @@ def test_gspo_gradient_is_the_gradient_of_the_sequence_ratio() -> None:
         old,
         adv_seq[:, None].expand(3, 4),
         mask,
-        10.0,
-        10.0,
-        None,
-        "seq-mean-token-mean",
+        clip_low=10.0,
+        clip_high=10.0,
+        dual_clip=None,
+        agg_mode="seq-mean-token-mean",
         ratio_level="sequence",
     )
     loss.backward()

@@ -58,6 +58,17 @@ def test_each_name_picks_its_model_and_round_trips_through_json(name: str, model
     assert again == c and type(again.algorithm) is model
 
 
+def test_gspo_has_no_dual_clip_unless_it_is_set() -> None:
+    # GSPO (the paper, verl) clips the sequence ratio only; the token-level PPO default of 3.0 does not carry over.
+    assert cfg({"policy_loss": "gspo"}).algorithm.dual_clip is None
+    assert cfg({"name": "ppo", "policy_loss": "gspo"}).algorithm.dual_clip is None
+    assert cfg({"policy_loss": "gspo", "dual_clip": 2.5}).algorithm.dual_clip == 2.5
+    assert cfg({"policy_loss": "ppo"}).algorithm.dual_clip == 3.0 and cfg().algorithm.dual_clip == 3.0
+    c = cfg({"policy_loss": "gspo"})
+    again = validate(json.loads(json.dumps(c.model_dump(mode="json"))), "config.json")
+    assert again.algorithm.dual_clip is None
+
+
 def test_ppo_keeps_its_keys() -> None:
     a = cfg(
         {
@@ -121,21 +132,26 @@ def test_the_repository_configs_still_load(path: str, name: str) -> None:
 
 def test_reference_has_every_algorithm_and_each_key_only_where_it_exists() -> None:
     text = reference_markdown()
-    tables = {name: _table(text, name) for name in ALGORITHMS}
+    shared = _keys(_table(text, "**[algorithm]** " + (AlgorithmConfig.__doc__ or "").strip()))
+    tables = {name: _table(text, f'**[algorithm]** name = "{name}":') for name in ALGORITHMS}
     for name, model in ALGORITHMS.items():
-        keys = {
-            line.split("`")[1].removeprefix("algorithm.") for line in tables[name] if line.startswith("| `")
-        }
-        assert keys == set(model.model_fields), name
+        keys = _keys(tables[name])
+        # the keys every algorithm shares are listed once; each variant's table adds only its own
+        assert keys | shared == set(model.model_fields), name
+        assert not keys & shared and "name" in keys, name
+    assert shared and all(shared <= set(m.model_fields) for m in ALGORITHMS.values())
+    assert text.count("`algorithm.clip_low`") == 1
     assert set(AlgorithmConfig.model_fields) <= set(GrpoConfig.model_fields)
 
 
-def _table(text: str, name: str) -> list[str]:
-    """The rows of the reference table of ``algorithm.name = name``."""
+def _keys(rows: list[str]) -> set[str]:
+    return {line.split("`")[1].removeprefix("algorithm.") for line in rows if line.startswith("| `")}
+
+
+def _table(text: str, header: str) -> list[str]:
+    """The rows of the reference table whose header line starts with ``header``."""
     lines = text.splitlines()
-    start = next(
-        i for i, line in enumerate(lines) if line.startswith("**[algorithm]**") and f'"{name}"' in line
-    )
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
     rows = []
     for line in lines[start + 1 :]:
         if line.startswith("**["):

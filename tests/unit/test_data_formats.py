@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from buffer.config import ConfigError, DataConfig, RewardConfig, ShardRLConfig, load_toml
+from rollout_worker.checks import validate_prompts_file
 from rollout_worker.engines.base import Completion
 from rollout_worker.prompts import (
     EncodedPrompt,
@@ -21,7 +22,6 @@ from rollout_worker.prompts import (
     PromptError,
     load_prompts,
     make_encoder,
-    validate_prompts_file,
 )
 from rollout_worker.rewards import Scorer
 
@@ -203,7 +203,8 @@ def test_arrow_dataset_directory(tmp_path: Path) -> None:
 
 
 def test_arrow_dataset_written_by_datasets(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets  # in the dev extra: this test runs in every default run
+
     datasets.Dataset.from_list(VERL_ROWS).save_to_disk(str(tmp_path / "ds"))
     got = load_prompts(_data(tmp_path / "ds", answer_field="reward_model.ground_truth"))
     assert [p.answer for p in got] == ["72", "\\frac34"]

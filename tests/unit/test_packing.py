@@ -275,7 +275,7 @@ def test_varlen_kernel_equals_causal_sdpa_per_sequence() -> None:
     match causal SDPA on each sequence (the CPU path), up to bf16 rounding; attention over the whole row does not."""
     from torch import nn
 
-    from trainer.model import _causal_per_sequence, _causal_varlen
+    from trainer.attention import _causal_per_sequence, _causal_varlen
 
     heads, kv_heads, dim, lens = 12, 2, 128, [300, 7, 1, 2048, 513, 96]
     module = nn.Module()

@@ -307,9 +307,16 @@ def test_dual_clip_bounds_negative_advantage_with_huge_ratio() -> None:
     close(loss, 3.0)
     close(m["dual_clip_frac"], 1.0)
     logp = t([[math.log(10.0)]]).requires_grad_()
-    ppo.policy_loss(logp, t([[0.0]]), t([[-2.0]]), torch.tensor([[1]]), 0.2, 0.28, 3.0, "token-mean")[
-        0
-    ].backward()
+    ppo.policy_loss(
+        logp,
+        t([[0.0]]),
+        t([[-2.0]]),
+        torch.tensor([[1]]),
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=3.0,
+        agg_mode="token-mean",
+    )[0].backward()
     assert logp.grad is not None and logp.grad.item() == 0.0
     # Positive advantages are not touched by the dual clip: r = 10, A = 1 -> -1.28.
     loss, m = _policy([math.log(10.0)], [1.0], dual_clip=3.0)
@@ -317,6 +324,25 @@ def test_dual_clip_bounds_negative_advantage_with_huge_ratio() -> None:
     close(m["dual_clip_frac"], 0.0)
     with pytest.raises(ValueError, match="dual_clip"):
         _policy([0.0], [1.0], dual_clip=1.0)
+
+
+def test_policy_loss_divides_by_the_normalisers_it_is_given() -> None:
+    # r = 1, A = [2, -1]: per-token losses [-2, 1], sum -1.  token-mean over 4 tokens of the whole step: -0.25;
+    # seq-mean-token-sum over 2 sequences: -0.5; seq-mean-token-sum-norm over 2 sequences of length 4: -0.125.
+    close(_policy([0.0, 0.0], [2.0, -1.0], norms=ppo.Normalisers(tokens=4.0))[0], -0.25)
+    close(
+        _policy([0.0, 0.0], [2.0, -1.0], agg_mode="seq-mean-token-sum", norms=ppo.Normalisers(seqs=2.0))[0],
+        -0.5,
+    )
+    norm = ppo.Normalisers(tokens=9.0, seqs=2.0, length=4.0)
+    close(_policy([0.0, 0.0], [2.0, -1.0], agg_mode="seq-mean-token-sum-norm", norms=norm)[0], -0.125)
+    close(_policy([0.0, 0.0], [2.0, -1.0])[0], -0.5)  # no normalisers: the local token count, 2
+
+
+def test_policy_loss_settings_are_keyword_only() -> None:
+    logp = t([[0.0]])
+    with pytest.raises(TypeError):
+        ppo.policy_loss(logp, logp, logp, torch.ones(1, 1), 0.2, 0.28, None, "token-mean")  # type: ignore[misc]
 
 
 def test_importance_weight_multiplies_per_token_loss() -> None:
@@ -337,7 +363,14 @@ def test_positive_advantage_raises_logp_after_one_sgd_step() -> None:
     logp = logp_of(logits)
     before = logp.detach().clone()
     loss, _ = ppo.policy_loss(
-        logp, before, t([[1.0], [-1.0]]), torch.ones(2, 1), 0.2, 0.28, 3.0, "token-mean"
+        logp,
+        before,
+        t([[1.0], [-1.0]]),
+        torch.ones(2, 1),
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=3.0,
+        agg_mode="token-mean",
     )
     # At r = 1, d loss / d logp = -A * r / 2 tokens = [-0.5, +0.5].
     logp.retain_grad()

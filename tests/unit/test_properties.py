@@ -66,7 +66,7 @@ def _shard_bytes() -> tuple[str, bytes, pa.Table]:
     with ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
     data = sink.getvalue().to_pybytes()
-    name = f"w0.inc.00000000.n{table.num_rows}.{zlib.crc32(data):08x}.arrow"
+    name = shards.ShardName(0, "w0", "inc", 0, table.num_rows, zlib.crc32(data)).name
     return name, data, table
 
 

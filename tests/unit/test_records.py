@@ -23,7 +23,9 @@ NOW = 1.7e9
 STATUS = {"host": "node1", "pid": 42, "beat": 3, "updated_at": NOW}
 
 EXAMPLES: list[records.Record] = [
-    records.WorkerStatus(**STATUS, id="w0", slot=0, state="paused", paused_reason="backlog", backlog=70),
+    records.WorkerStatus(
+        **STATUS, id="w0", slot=0, state="paused", paused_reason="backlog", backlog=70, published_samples=64
+    ),
     records.SupervisorStatus(
         **STATUS,
         id="node1-42-abc",
@@ -35,7 +37,19 @@ EXAMPLES: list[records.Record] = [
         },
         failed_slots={"3": "EngineError: died"},
     ),
-    records.TrainerStatus(**STATUS, state="waiting", epoch=2, resumed_from=4, step=4, consumed_samples=64),
+    records.TrainerStatus(
+        **STATUS,
+        state="waiting",
+        epoch=2,
+        resumed_from=4,
+        step=4,
+        consumed_samples=64,
+        planned_step=5,
+        open_from=28333333,
+        window_consumed=12,
+        fleet={"w0": records.FleetEntry(incarnation="abc", in_flight=8, published_samples=64)},
+        feed_at=NOW,
+    ),
     records.LatestPointer(version=3, path="v000003", step=30),
     records.WeightsManifest(
         version=3,
@@ -54,8 +68,28 @@ EXAMPLES: list[records.Record] = [
     records.Lease(
         slot=1, generation=3, holder="node1-42-abc", counter=9, host="node1", pid=42, written_at=NOW
     ),
-    records.Plan(step=2, epoch=1, shards=["a.arrow"], sample_ids=["s1"], dropped_ids=["s0"], extra={"x": 1}),
+    records.Plan(
+        step=2,
+        epoch=1,
+        shards=["a.arrow"],
+        takes=[[0, 1, 2]],
+        drops=[[0, 0, 1]],
+        samples=1,
+        dropped=1,
+        extra={"x": 1},
+    ),
     records.EpochClaim(epoch=2, max_step=7, host="node1", pid=42, at=NOW),
+    records.LogSummary(
+        step=50,
+        epoch=1,
+        open_from=28333333,
+        consumed_samples=100,
+        dropped_samples=4,
+        trained_steps=50,
+        consumed={"a.arrow": [[0, 4]]},
+        at=NOW,
+    ),
+    records.PoisonedStep(step=3, epoch=1, reason="loss is nan", at=NOW),
 ]
 # per record type: a field to remove, and a value of the wrong type for it
 BREAK = {
@@ -66,8 +100,10 @@ BREAK = {
     records.WeightsManifest: ("files", ["model.safetensors"]),
     records.ControlGeneration: ("history", "k"),
     records.Lease: ("holder", 7),
-    records.Plan: ("sample_ids", "s1"),
+    records.Plan: ("takes", "s1"),
     records.EpochClaim: ("max_step", True),
+    records.LogSummary: ("consumed", ["a.arrow"]),
+    records.PoisonedStep: ("reason", 7),
 }
 
 
@@ -123,8 +159,9 @@ def test_optional_fields_are_read_strictly_too(tmp_path: Path) -> None:
     _one_line_error(records.WorkerStatus, path, "last_error")
     path = _broken(tmp_path, rec, lambda d: d.update(state="sleeping"))
     assert "'sleeping'" in _one_line_error(records.WorkerStatus, path, "state")
-    path = _broken(tmp_path, rec, lambda d: d.update(schema_version=2))
-    assert "this shardrl reads 1" in _one_line_error(records.WorkerStatus, path, "schema_version")
+    version = records.WorkerStatus.expected_version()
+    path = _broken(tmp_path, rec, lambda d: d.update(schema_version=version + 1))
+    assert f"this shardrl reads {version}" in _one_line_error(records.WorkerStatus, path, "schema_version")
     path = _broken(tmp_path, rec, lambda d: d.update(workers_version=1))
     _one_line_error(records.WorkerStatus, path, "workers_version")
     path.write_text('{"schema_version": 1, "id": ')
@@ -217,13 +254,14 @@ def test_status_listing_reports_bad_records_and_keeps_the_good_ones(tmp_path: Pa
 # ---------------------------------------------------------------------------------------------- backlog
 
 
-def _shard(layout: Any, worker: str, n: int) -> list[str]:
+def _shard(layout: Any, worker: str, n: int) -> list[tuple[str, int]]:
+    """A shard of ``n`` samples; its (shard, row) pairs."""
     w = shards.ShardWriter(layout, "run", worker)
     for i in range(n):
         w.add(sample(i, group=f"{worker}-g{i // 2}"))
     path = w.flush()
     assert path is not None
-    return shards.sample_ids(layout, path.name)
+    return [(path.name, r) for r in range(n)]
 
 
 def test_backlog_counts_ready_consumed_dropped_and_unconsumed(tmp_path: Path) -> None:
@@ -235,16 +273,15 @@ def test_backlog_counts_ready_consumed_dropped_and_unconsumed(tmp_path: Path) ->
     counter = BacklogCounter(layout)
     log = plans.PlanLog.claim(layout)
     assert counter.read().planned_step == 0
-    log.write_plan(1, ["a"], a[:4], dropped_ids=a[4:6])
+    log.write_plan(1, [a[0][0]], a[:4], drops=a[4:6])
     assert counter.read() == Backlog(14, 6, 2, 8)
     assert counter.read().planned_step == 1
     # a zombie incarnation's plan written after a newer one claimed is not consumption
     new = plans.PlanLog.claim(layout)
-    records.create_record(
-        layout.plan(2, log.epoch), records.Plan(step=2, epoch=log.epoch, shards=["b"], sample_ids=b)
-    )
+    zombie = records.Plan(step=2, epoch=log.epoch, shards=[b[0][0]], takes=[[0, 0, 6]], samples=6)
+    assert records.create_record(layout.plan(2, log.epoch), zombie)
     assert counter.read() == Backlog(14, 6, 2, 8) and counter.read().planned_step == 1
-    new.write_plan(2, ["b"], b[:4])
+    new.write_plan(2, [b[0][0]], b[:4])
     assert counter.read().planned_step == 2
     assert counter.read() == backlog(layout) == Backlog(14, 10, 2, 4)
     # what the trainer writes into its status record: every count is a field of it
@@ -258,7 +295,7 @@ def test_backlog_counts_ready_consumed_dropped_and_unconsumed(tmp_path: Path) ->
 def test_a_bad_plan_stops_the_trainer_but_is_a_problem_for_views(tmp_path: Path) -> None:
     layout = make_layout(tmp_path)
     log = plans.PlanLog.claim(layout)
-    log.write_plan(1, ["a"], ["s0", "s1"])
+    log.write_plan(1, ["a"], [("a", 0), ("a", 1)])
     plan = json.loads(layout.plan(1, log.epoch).read_text())
     layout.plan(2, log.epoch).write_text(json.dumps({**plan, "step": 3}))  # the name says step 2
     with pytest.raises(RecordError, match=r"step-00000002.e1.json: field step: is 3, the file name says 2"):

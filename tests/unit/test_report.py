@@ -37,7 +37,7 @@ def test_only_plots_with_data_are_drawn(tmp_path: Path, capsys) -> None:
     for s in (1, 2):
         metrics.append(layout.metrics_file("trainer"), {"step": s, "reward_mean": 0.1 * s, "wait_frac": 0.5})
     log = plans.PlanLog.claim(layout)
-    log.write_plan(1, ["a"], ["s0", "s1", "s2"], extra={"staleness": [0, 2, 2]})
+    log.write_plan(1, ["a"], [("a", 0), ("a", 1), ("a", 2)], extra={"staleness": [0, 2, 2]})
     assert report.main(layout) == 0
     written = sorted(p.name for p in layout.plots.iterdir())
     assert written == ["reward_accuracy.png", "staleness_hist.png", "trainer_wait_publish.png"]  # no rollout

@@ -181,8 +181,9 @@ def _use_the_run(layout: RunLayout, run_id: str) -> None:
     """One write through every protocol: shard, plan, weights, control, leases' directory."""
     w = shards.ShardWriter(layout, run_id, "w0")
     w.add(sample(0))
-    w.flush()
-    plans.PlanLog.claim(layout).write_plan(1, ["s"], ["a"])
+    path = w.flush()
+    assert path is not None
+    plans.PlanLog.claim(layout).write_plan(1, [path.name], [(path.name, 0)])
     st = weights.staging_dir(layout, 1)
     (st / "model.safetensors").write_bytes(b"x" * 8)
     (st / "model.safetensors").chmod(0o600)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import threading
+import time
 import zlib
 
 import pyarrow as pa
@@ -187,7 +188,8 @@ def test_zero_row_shard_is_quarantined_saying_so(tmp_path):
 
 def test_a_fifo_with_a_shard_name_is_quarantined_without_blocking(tmp_path):
     layout = make_layout(tmp_path)
-    name = shards.ShardName("w", "fifo", 0, 1, 0).name
+    name = shards.ShardName(shards.bucket_at(time.time()), "w", "fifo", 0, 1, 0).name
+    layout.ready_shard(name).parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(layout.ready_shard(name))
     assert shards.load_or_quarantine(layout, name) is None
     reason = json.loads(layout.quarantine_reason(name).read_text())["reason"]
@@ -221,3 +223,17 @@ def test_listing_counts_rows_from_names(tmp_path):
     listed = shards.list_ready(layout)
     assert [s.rows for s in listed] == [3, 5]
     assert shards.ready_sample_count(listed) == 8
+    # each shard lies in the bucket its name begins with; a bucket's foreign files are ignored too
+    for s in listed:
+        assert (
+            layout.ready_shard(s.name) == layout.ready_bucket(s.bucket) / s.name
+            and layout.ready_shard(s.name).exists()
+        )
+    (layout.ready_bucket(listed[0].bucket) / "notes.txt").write_text("not a shard")
+    buckets = sorted({s.bucket for s in listed})
+    assert shards.list_ready(layout, buckets) == listed and shards.list_ready(layout, []) == []
+    lister = shards.BucketLister(layout, buckets[0])
+    assert lister.list() == listed
+    assert (
+        shards.BucketLister(layout, buckets[-1] + 1).list() == []
+    )  # buckets before ``first`` are not listed

@@ -65,7 +65,8 @@ def test_snapshot_explains_a_synthetic_run(tmp_path):
     assert tr["heartbeat_stale"] and tr["heartbeat_age_s"] >= 120
     why = {w["id"]: w["paused_why"] for w in snap["workers"]}
     assert why["w0"] == "backlog: 96 unconsumed samples > rollout.max_backlog_samples 64"
-    assert why["w1"] == "stale: weights v1 behind latest v3 by more than rollout.max_staleness 1"
+    assert why["w1"].startswith("stale: serving v1 (latest v3); counting the versions still to be trained")
+    assert why["w1"].endswith("more than rollout.max_staleness 1 behind")
     assert why["w2"] is None
     (sup,) = snap["supervisors"]
     assert (sup["capacity"], sup["slots"]) == (4, [0, 1]) and sup["heartbeat_age_s"] < 60

@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
-from buffer import plans
+from buffer import plans, shards
 from buffer.shards import ShardWriter
 from trainer.data import (
+    Limits,
     Planner,
     Sample,
     ShardCache,
@@ -22,7 +23,7 @@ from trainer.data import (
     split_updates,
 )
 
-from .buffer_helpers import make_layout, sample
+from .buffer_helpers import make_layout, plan_sample_ids, sample
 
 
 def _s(sid: str, group: str, version: int = 0, prompt: int = 3, resp: int = 2, reward: float = 0.0) -> Sample:
@@ -43,16 +44,31 @@ def test_select_step_takes_whole_groups_or_nothing() -> None:
     assert select_step(cands, 10, 0, 0, True) is None  # 9 samples cannot fill a step of 10
 
 
+def _shard_of(layout, worker: str, rows: list[tuple[str, str, int]]) -> str:
+    """A shard of [(sample id, group id, policy version)]; its name."""
+    w = ShardWriter(layout, "run", worker)
+    for i, (sid, group, version) in enumerate(rows):
+        w.add(sample(i, group=group, version=version) | {"sample_id": sid})
+    path = w.flush()
+    assert path is not None
+    return path.name
+
+
 def test_group_candidates_oldest_version_first_and_skips_consumed(tmp_path) -> None:
-    cache = ShardCache(make_layout(tmp_path), vocab_size=None)
-    cache.rows = {
-        "s1": [_s("x.0", "x", 5), _s("x.1", "x", 5), _s("y.0", "y", 2)],
-        "s2": [_s("y.1", "y", 3), _s("z.0", "z", 4)],
-    }
-    cands = group_candidates(cache, consumed={"z.0"})
+    layout = make_layout(tmp_path)
+    s1 = _shard_of(layout, "wa", [("x.0", "x", 5), ("x.1", "x", 5), ("y.0", "y", 2)])
+    s2 = _shard_of(layout, "wb", [("y.1", "y", 3), ("z.0", "z", 4)])
+    plans.PlanLog.claim(layout).write_plan(1, [s2], [(s2, 1)])  # z.0 is consumed
+    cache = ShardCache(layout, Limits(), shards.BucketLister(layout, shards.first_bucket(layout)))
+    assert cache.refresh(plans.Consumption.load(layout)) == 2
+    cands = group_candidates(cache)
     assert [(g, [r.sample_id for r in rows], names) for g, rows, names in cands] == [
-        ("y", ["y.0", "y.1"], ["s1", "s2"]),  # a group spread over two shards, judged by its oldest sample
-        ("x", ["x.0", "x.1"], ["s1"]),
+        (
+            "y",
+            ["y.0", "y.1"],
+            sorted([s1, s2]),
+        ),  # a group spread over two shards, judged by its oldest sample
+        ("x", ["x.0", "x.1"], [s1]),
     ]
 
 
@@ -78,19 +94,21 @@ def test_planner_records_drops_and_never_plans_a_sample_twice(tmp_path) -> None:
     for i in range(8):
         w.add(sample(i, group=f"new{i // 4}", version=6))
     w.flush()
-    planner = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
+    planner = Planner(layout, plans.PlanLog.claim(layout), Limits())
     plan, rows = planner.try_plan(1, 4, current_version=6, max_staleness=2, drop_stale=True) or (None, [])
-    assert plan is not None and len(plan.dropped_ids) == 4 and len(plan.sample_ids) == 4
+    assert plan is not None and plan.dropped == 4 and plan.samples == 4
+    assert len(plan_sample_ids(layout, plan, "drops")) == 4 and len(plan_sample_ids(layout, plan)) == 4
     assert {r.group_id for r in rows} == {"new0"} and planner.dropped_total == 4
+    assert plan_sample_ids(layout, plan) == [r.sample_id for r in rows]  # the plan records the rows trained
     plan2, _ = planner.try_plan(2, 4, 6, 2, True) or (None, [])
-    assert plan2 is not None and plan2.dropped_ids == []
+    assert plan2 is not None and plan2.drops == [] and plan2.dropped == 0
     assert planner.try_plan(3, 4, 6, 2, True) is None  # everything consumed
     valid = plans.valid_plans(layout)
-    ids = [s for p in valid.values() for s in p.sample_ids + p.dropped_ids]
+    ids = [s for p in valid.values() for w in ("takes", "drops") for s in plan_sample_ids(layout, p, w)]
     assert len(ids) == len(set(ids)) == 12
     # A restarted planner replays a recorded plan with the same rows, in the same order.
-    again = Planner(layout, plans.PlanLog.claim(layout), vocab_size=None)
-    assert [r.sample_id for r in again.replay(valid[2]).samples] == valid[2].sample_ids
+    again = Planner(layout, plans.PlanLog.claim(layout), Limits())
+    assert [r.sample_id for r in again.replay(valid[2]).samples] == plan_sample_ids(layout, valid[2])
     assert again.try_plan(3, 4, 6, 2, True) is None
 
 

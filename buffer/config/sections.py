@@ -1,24 +1,8 @@
-"""Typed configuration of a shardrl run, one pydantic model per process family.
-
-Loaded from TOML (``shardrl init RUN --config CFG.toml``) with dotted CLI overrides (``--trainer.lr 1e-6``).  The
-resolved config is written into the run directory, and every later process reads it from there, so a rollout job and
-a trainer job submitted separately can never disagree on the model, tokenizer, schema or algorithm.  Only the fields
-in ``PER_PROCESS_FIELDS`` may differ per process.  This module imports no torch.
-
-Rules that span fields (``RULES``: a backlog bound that lets a step fill, whole groups per step, consistent
-staleness bounds, prompt + response within the engine's context, vLLM settings only for a vLLM engine) run whenever
-a config is validated: at ``shardrl init`` and again when every process opens the run, so a config that would
-deadlock or silently waste samples never starts.  Each failure is one line naming the fields and the rule.
-"""
+"""The sections of a run config: one pydantic model per TOML table, each field with a description and bounds."""
 
 from __future__ import annotations
 
-import json
-import os
-import tomllib
-import types
-from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -26,12 +10,11 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from .fsio import GROUP_SHARED, Modes, mode_problem
+from ..fsio import GROUP_SHARED, Modes, mode_problem
 
 
 class _Section(BaseModel):
@@ -328,6 +311,12 @@ class RolloutConfig(_Section):
         "this (never below a trainer step's worth).",
     )
     weights_poll_s: float = Field(1.0, gt=0, description="How often to poll weights/LATEST between batches.")
+    local_cache_dir: str = Field(
+        "",
+        description="Node-local directory where the first worker of a node copies (and rebuilds from deltas) "
+        "each weight version once for every worker of the node; needs room for a few versions on a local disk. "
+        "Empty = the node's temporary directory ($TMPDIR or /tmp)/shardrl-cache-<run id>.",
+    )
     drain_deadline_s: float = Field(
         20.0, gt=0, description="SIGTERM: workers drained and exited within this."
     )
@@ -370,7 +359,10 @@ class AlgorithmConfig(_Section):
     clip_low: float = Field(0.2, ge=0, description="Ratio clip below 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="Ratio clip above 1 + clip_high.")
     dual_clip: float | None = Field(
-        3.0, gt=1, description="Dual-clip bound c for negative advantages; null = off."
+        3.0,
+        gt=1,
+        description="Dual-clip bound c for negative advantages; null = off.  Off by default with policy_loss = "
+        "'gspo' (GSPO has no dual clip); when set there it bounds the sequence ratio's loss.",
     )
     policy_loss: Literal["ppo", "gspo"] = Field(
         "ppo",
@@ -432,6 +424,15 @@ class AlgorithmConfig(_Section):
                         f"{key} is a setting of algorithm.name = {' or '.join(map(repr, owners))} only, "
                         f"not of {data.get('name', 'grpo')!r}"
                     )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_dual_clip_for_gspo(cls, data: Any) -> Any:
+        """GSPO (the paper, and verl's implementation) clips the sequence ratio with no dual clip: a GSPO config
+        that does not set dual_clip gets none, rather than the token-level PPO default."""
+        if isinstance(data, dict) and data.get("policy_loss") == "gspo" and "dual_clip" not in data:
+            return {**data, "dual_clip": None}
         return data
 
     @model_validator(mode="after")
@@ -535,6 +536,14 @@ class TrainerConfig(_Section):
     )
     poll_interval_s: float = Field(0.5, gt=0, description="How often to look for new shards while waiting.")
     publish_every: int = Field(1, ge=1, description="Publish weights every N steps.")
+    publish_full_every: int = Field(
+        10,
+        ge=1,
+        le=1000,
+        description="Every N-th published version is full weights; the N - 1 between are deltas against the last "
+        "full one (XOR + zstd of the bytes: a few percent of the size for bf16 after a small step). 1 = every "
+        "version full. LoRA adapter and merged versions are always full.",
+    )
     save_every: int = Field(10, ge=1, description="DCP checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept.")
     max_steps: int | None = Field(
@@ -579,511 +588,3 @@ class EvalConfig(_Section):
         "none for a user function (then only the reward mean is recorded).",
     )
     poll_s: float = Field(2.0, gt=0, description="How often the evaluator looks for a new version.")
-
-
-class ShardRLConfig(_Section):
-    """The whole run configuration (the content of RUN/config.json)."""
-
-    run: RunConfig = Field(default_factory=RunConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    reward: RewardConfig  # no default: every run names its reward function
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    algorithm: Algorithm = Field(default_factory=GrpoConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> ShardRLConfig:
-        broken = [msg for rule in RULES if (msg := rule(self)) is not None]
-        if broken:
-            raise ValueError(broken[0] + (f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""))
-        return self
-
-    def context_length(self) -> int:
-        """The rollout engine's context: rollout.vllm.max_model_len when set, else the prompt + response budget."""
-        vllm = self.rollout.vllm
-        if vllm is not None and vllm.max_model_len is not None:
-            return vllm.max_model_len
-        return self.data.max_prompt_length + self.rollout.sampling.max_response_length
-
-
-# ------------------------------------------------------------------------------------------ cross-field rules
-# Each rule returns None or one line naming the fields, their values and why the combination cannot work.
-
-GROUP_ALGORITHMS = frozenset({"grpo", "rloo"})  # advantages from a group of n samples of one prompt
-
-
-def _rule_backlog_fills_a_step(cfg: ShardRLConfig) -> str | None:
-    # A worker starts a batch only while the backlog is at most max_backlog_samples, so with one worker the backlog
-    # never exceeds max_backlog_samples + one batch: below samples_per_step the bound could never hold, as workers
-    # keep generating until a step can fill (and older versions stalled there), so such a setting is refused.
-    r, batch = cfg.rollout, cfg.rollout.prompts_per_batch * cfg.rollout.sampling.n
-    if r.max_backlog_samples + batch >= cfg.trainer.samples_per_step:
-        return None
-    return (
-        f"rollout.max_backlog_samples ({r.max_backlog_samples}) + one worker batch (rollout.prompts_per_batch x "
-        f"rollout.sampling.n = {batch}) must reach trainer.samples_per_step ({cfg.trainer.samples_per_step}), "
-        "or workers pause before a step can fill"
-    )
-
-
-def _rule_whole_groups(cfg: ShardRLConfig) -> str | None:
-    name, n, step = cfg.algorithm.name, cfg.rollout.sampling.n, cfg.trainer.samples_per_step
-    if name not in GROUP_ALGORITHMS or step % n == 0:
-        return None
-    return (
-        f"trainer.samples_per_step ({step}) must be a multiple of rollout.sampling.n ({n}) with "
-        f"algorithm.name = {name!r}: a step takes whole groups, so it would train on {-(-step // n) * n} samples"
-    )
-
-
-def _rule_staleness_bounds(cfg: ShardRLConfig) -> str | None:
-    mode = cfg.algorithm.staleness_mode
-    produce, accept = cfg.rollout.max_staleness, cfg.trainer.max_staleness
-    if mode == "drop" and produce > accept:
-        return (
-            f"rollout.max_staleness ({produce}) must not exceed trainer.max_staleness ({accept}) with "
-            "algorithm.staleness_mode = 'drop': workers would produce samples the trainer drops"
-        )
-    if mode == "keep" and cfg.algorithm.off_policy == "none":
-        return (
-            "algorithm.staleness_mode = 'keep' needs algorithm.off_policy = 'tis' or 'decoupled' to correct the "
-            "stale samples it keeps (it is 'none')"
-        )
-    return None
-
-
-def _rule_context_fits(cfg: ShardRLConfig) -> str | None:
-    prompt, response = cfg.data.max_prompt_length, cfg.rollout.sampling.max_response_length
-    context = cfg.context_length()
-    if prompt + response <= context:
-        return None
-    return (
-        f"data.max_prompt_length ({prompt}) + rollout.sampling.max_response_length ({response}) = "
-        f"{prompt + response} must fit rollout.vllm.max_model_len ({context}), the engine's context; "
-        "otherwise long prompts get cut-off responses"
-    )
-
-
-def _rule_engine_settings(cfg: ShardRLConfig) -> str | None:
-    if cfg.rollout.engine == "hf" and cfg.rollout.vllm is not None:
-        return (
-            "rollout.vllm is set but rollout.engine is 'hf', which does not use it: remove the [rollout.vllm] "
-            "section or set rollout.engine = 'vllm' or 'auto'"
-        )
-    return None
-
-
-def _rule_kl_horizon_spans_a_step(cfg: ShardRLConfig) -> str | None:
-    # The adaptive coefficient is multiplied by 1 +- 0.2 * samples_per_step / kl_horizon each step: a horizon
-    # shorter than a step would let it swing by more than 20% at once, and below 1/5 of a step turn negative.
-    a, step = cfg.algorithm, cfg.trainer.samples_per_step
-    if a.kl_target is None or a.kl_horizon >= step:
-        return None
-    return (
-        f"algorithm.kl_horizon ({a.kl_horizon:g}) must be at least trainer.samples_per_step ({step}) with "
-        "algorithm.kl_target set: the adaptive KL coefficient would change by more than 20% in one step"
-    )
-
-
-def _rule_initial_workers(cfg: ShardRLConfig) -> str | None:
-    r = cfg.run
-    if r.initial_workers <= r.max_workers:
-        return None
-    return f"run.initial_workers ({r.initial_workers}) must not exceed run.max_workers ({r.max_workers})"
-
-
-RULES = (
-    _rule_engine_settings,
-    _rule_initial_workers,
-    _rule_backlog_fills_a_step,
-    _rule_whole_groups,
-    _rule_staleness_bounds,
-    _rule_context_fits,
-    _rule_kl_horizon_spans_a_step,
-)
-
-
-# Settings a single process may change with a CLI flag without touching the run's contract.
-PER_PROCESS_FIELDS = frozenset(
-    {
-        "rollout.max_local_workers",
-        "rollout.cpu_workers",
-        "rollout.threads_per_worker",
-        "rollout.drain_deadline_s",
-        "rollout.weights_poll_s",
-        "rollout.engine",
-        "trainer.max_steps",
-        "trainer.step_wait_timeout_s",
-        "trainer.poll_interval_s",
-        "trainer.tensorboard",
-        *(f"eval.{k}" for k in EvalConfig.model_fields),  # the evaluator is optional and may run with its own
-    }
-)
-
-
-class ConfigError(ValueError):
-    """A user-caused configuration error; its message is one line naming the file and the field."""
-
-
-def resolve_dtype(dtype: str, cuda: bool) -> str:
-    """``model.dtype`` in one process: ``auto`` is bfloat16 where CUDA is visible, float32 on a CPU.
-
-    Resolved per process, not at `shardrl init` (often run on a login node without GPUs): a GPU trainer then
-    publishes bf16 and a GPU engine loads bf16, while the CPU demo stays in fp32.
-    """
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if cuda else "float32"
-
-
-def refuse_sections(overrides: dict[str, str], sections: tuple[str, ...], prog: str, hint: str) -> None:
-    """One line for an override of a section this process never reads (it would otherwise pass unnoticed)."""
-    for key in overrides:
-        if key.split(".", 1)[0] in sections:
-            raise ConfigError(
-                f"command line: --{key} is a {key.split('.', 1)[0]} setting, which {prog} does not read; {hint}"
-            )
-
-
-def section_fields(section: str) -> list[tuple[str, Any]]:
-    """``(dotted key, pydantic field)`` of every setting under ``section`` (e.g. "trainer", "rollout"), nested
-    sections and the variants of a union included, each key once."""
-    out: dict[str, Any] = {}
-
-    def walk(models: list[type[BaseModel]], prefix: str) -> None:
-        for model in models:
-            for name, f in model.model_fields.items():
-                subs = _sections(f.annotation)
-                if subs:
-                    walk(subs, f"{prefix}.{name}")
-                else:
-                    out.setdefault(f"{prefix}.{name}", f)
-
-    walk(_sections(ShardRLConfig.model_fields[section].annotation), section)
-    return list(out.items())
-
-
-RUN_ENV = "SHARDRL_RUN"  # the run directory, for every command that takes one
-
-OVERRIDES_HELP = (
-    "Config overrides: --section.key VALUE (or --section.key=VALUE), read by the field's type: text fields take "
-    "VALUE as it is, other fields as JSON (1e-6, true, [0.9, 0.95]); null clears an optional field."
-)
-
-
-def add_run_dir_option(parser: Any, *aliases: str, required: bool = True) -> None:
-    """``--run-dir RUN`` (plus ``aliases``), defaulting to $SHARDRL_RUN: the one spelling of every command."""
-    parser.add_argument(
-        "--run-dir",
-        *aliases,
-        dest="run_dir",
-        type=Path,
-        default=os.environ.get(RUN_ENV) or None,
-        required=required and not os.environ.get(RUN_ENV),
-        metavar="RUN",
-        help=f"the run directory made by `shardrl init` (default ${RUN_ENV})"
-        + (f"; {', '.join(aliases)} is the same" if aliases else ""),
-    )
-
-
-def options_help(keys: list[tuple[str, Any]]) -> str:
-    """``--key VALUE  description (default ...)`` lines for a command's ``--help``."""
-    return "\n".join(
-        f"  --{key} VALUE  {f.description or ''} (default {_default_cell(f).strip('`')})" for key, f in keys
-    )
-
-
-def parse_overrides(args: list[str]) -> dict[str, str]:
-    """``["--trainer.lr", "1e-6", "--x.y=2"]`` -> ``{"trainer.lr": "1e-6", "x.y": "2"}``."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(
-                f"command line: unexpected argument {arg!r}; overrides look like --section.key VALUE"
-            )
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"command line: {arg} needs a value")
-            key, value = arg[2:], args[i + 1]
-            i += 2
-        out[key] = value
-    return out
-
-
-def split_overrides(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The ``--section.key VALUE`` overrides of a command line, wherever they stand, and the other arguments.
-
-    Taken out before argparse sees the line: an override's value would otherwise be read as a positional RUN.
-    """
-    picked: list[str] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            width = 1 if "=" in arg else 2
-            picked += argv[i : i + width]
-            i += width
-        else:
-            rest.append(arg)
-            i += 1
-    return parse_overrides(picked), rest
-
-
-def _members(ann: Any) -> list[Any]:
-    """The alternatives of an annotation: ``A | B``, ``Optional[A]`` and ``Annotated[...]`` unwrapped."""
-    if get_origin(ann) is Annotated:
-        return _members(get_args(ann)[0])
-    if get_origin(ann) in (Union, types.UnionType):
-        return [m for arg in get_args(ann) for m in _members(arg)]
-    return [ann]
-
-
-def _sections(ann: Any) -> list[type[BaseModel]]:
-    return [m for m in _members(ann) if isinstance(m, type) and issubclass(m, BaseModel)]
-
-
-def field_annotations(dotted: str) -> list[Any]:
-    """The annotations of the field at ``dotted`` (several where a section is a union of models); [] if unknown."""
-    models: list[type[BaseModel]] = [ShardRLConfig]
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        models = [
-            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
-        ]
-    return [m.model_fields[leaf].annotation for m in models if leaf in m.model_fields]
-
-
-def _takes_text(ann: Any) -> bool:
-    for m in _members(ann):
-        if m is str or (get_origin(m) is Literal and any(isinstance(v, str) for v in get_args(m))):
-            return True
-    return False
-
-
-def coerce(dotted: str, raw: str) -> Any:
-    """A command-line value typed by its target field: text stays text where the field takes text
-    (``--model.tokenizer 2024`` is the string "2024"), ``null`` is None where the field allows it, and any other
-    field reads the value as JSON (``1e-6``, ``true``, ``[0.9, 0.95]``); what does not parse is left for the
-    field's validation to refuse in one line."""
-    annotations = field_annotations(dotted)
-    if raw == "null" and any(type(None) in _members(a) for a in annotations):
-        return None
-    if not annotations or any(_takes_text(a) for a in annotations):
-        return raw
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
-
-
-def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
-    """Set each dotted key in ``data`` (a config as TOML/JSON data).  Choosing ``rollout.engine = hf`` here drops the
-    file's vLLM section unless the same command line sets a ``rollout.vllm`` key: the command line picks another
-    engine, and the settings of the one it replaces do not apply to it."""
-    for dotted, raw in overrides.items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            if node.get(p) is None:  # a section absent, or null in a resolved config (an hf run's vllm)
-                node[p] = {}
-            node = node[p]
-            if not isinstance(node, dict):
-                raise ConfigError(f"command line: --{dotted}: {p} is not a section")
-        node[leaf] = coerce(dotted, raw)
-    if overrides.get("rollout.engine") == "hf" and not any(k.startswith("rollout.vllm.") for k in overrides):
-        data["rollout"].pop("vllm", None)
-    return data
-
-
-def _setting(loc: tuple[Any, ...]) -> str:
-    """The dotted key of an error location, without the tags pydantic adds for the variant of a union."""
-    models: list[type[BaseModel]] = [ShardRLConfig]
-    keys: list[str] = []
-    for part in map(str, loc):
-        if not any(part in m.model_fields for m in models):
-            continue  # a variant's tag, as in algorithm.grpo.clip_low
-        keys.append(part)
-        models = [
-            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
-        ]
-    return ".".join(keys)
-
-
-def _one_line(err: ValidationError, source: str, overrides: dict[str, str], override_source: str) -> str:
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"])
-    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    if not loc and e["type"] == "value_error":  # a cross-field rule: its message names the fields itself
-        return f"{source}: {e['ctx']['error']}{more}"
-    key = _setting(e["loc"])
-    if key in overrides:  # the bad value came from the command line, not from the file
-        return f"{override_source}: --{key} {overrides[key]}: {e['msg']}{_accepted(e)}{more}"
-    return f"{source}: field {loc}: {e['msg']}{_accepted(e)}{more}"
-
-
-def _accepted(e: Any) -> str:
-    """What is accepted, where pydantic's message does not say: the keys of the section an unknown key is in, the
-    type and meaning of a missing field."""
-    if e["type"] == "extra_forbidden":
-        keys = _section_keys(e["loc"][:-1])
-        return f"; accepted keys here: {', '.join(keys)}" if keys else ""
-    if e["type"] == "missing":
-        fields = _fields_at(_setting(e["loc"]))
-        if fields:
-            f = fields[0]
-            return f"; expected {_type_text(f.annotation)}" + (f": {f.description}" if f.description else "")
-    return ""
-
-
-def _section_keys(loc: tuple[Any, ...]) -> list[str]:
-    """The keys of the section at ``loc`` (of the variant a union's tag in ``loc`` names)."""
-    models: list[type[BaseModel]] = [ShardRLConfig]
-    for part in map(str, loc):
-        inner = [
-            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
-        ]
-        if inner:
-            models = inner
-            continue
-        tagged = [m for m in models if "name" in m.model_fields and m.model_fields["name"].default == part]
-        models = tagged or models
-    return sorted({k for m in models for k in m.model_fields})
-
-
-def _fields_at(dotted: str) -> list[Any]:
-    models: list[type[BaseModel]] = [ShardRLConfig]
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        models = [
-            s for m in models if part in m.model_fields for s in _sections(m.model_fields[part].annotation)
-        ]
-    return [m.model_fields[leaf] for m in models if leaf in m.model_fields]
-
-
-def _type_text(ann: Any) -> str:
-    parts = []
-    for m in _members(ann):
-        if get_origin(m) is Literal:
-            parts.append("one of " + ", ".join(repr(v) for v in get_args(m)))
-        elif isinstance(m, type) and issubclass(m, BaseModel):
-            parts.append(f"a section ({', '.join(m.model_fields)})")
-        else:
-            parts.append("null" if m is type(None) else getattr(m, "__name__", str(m)))
-    return " or ".join(parts)
-
-
-def validate(
-    data: dict[str, Any],
-    source: str,
-    overrides: dict[str, str] | None = None,
-    override_source: str = "command line",
-) -> ShardRLConfig:
-    """The config in ``data``; one ConfigError line naming ``source``, or the flag when an override is at fault."""
-    try:
-        return ShardRLConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_one_line(err, source, overrides or {}, override_source)) from None
-
-
-def load_toml(path: str | Path, overrides: dict[str, str] | None = None) -> ShardRLConfig:
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a config is a TOML file") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    overrides = overrides or {}
-    return validate(apply_overrides(data, overrides), str(path), overrides)
-
-
-def flatten(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in cfg.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def load_run_config(run_config_json: Path, overrides: dict[str, str] | None = None) -> ShardRLConfig:
-    """The run's resolved config with per-process overrides; a change to a run-wide field is refused."""
-    try:
-        base = json.loads(run_config_json.read_text())
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{run_config_json}: missing; create the run with `shardrl init RUN --config CFG.toml`"
-        ) from None
-    overrides = overrides or {}
-    source = f"{run_config_json} + command line"
-    cfg = validate(apply_overrides(json.loads(json.dumps(base)), overrides), source, overrides, source)
-    before, after = flatten(base), flatten(cfg.model_dump(mode="json"))
-    for key in overrides:
-        if key not in PER_PROCESS_FIELDS and before.get(key) != after.get(key):
-            raise ConfigError(
-                f"command line: --{key} would change the run-wide setting in {run_config_json} "
-                f"({before.get(key)!r} -> {after.get(key)!r}); only per-process settings may differ: "
-                + ", ".join(sorted(PER_PROCESS_FIELDS))
-            )
-    return cfg
-
-
-def _discriminator(variants: list[type[BaseModel]]) -> str | None:
-    """The field that tells the variants of a union apart: a one-value Literal in each of them."""
-    for name in variants[0].model_fields:
-        if all(
-            name in v.model_fields
-            and get_origin(v.model_fields[name].annotation) is Literal
-            and len(get_args(v.model_fields[name].annotation)) == 1
-            for v in variants
-        ):
-            return name
-    return None
-
-
-def _default_cell(f: Any) -> str:
-    return "required" if f.is_required() else f"`{json.dumps(f.get_default(call_default_factory=True))}`"
-
-
-def reference_markdown() -> str:
-    """The config reference, generated from the models so that it cannot drift from the code."""
-    lines: list[str] = [
-        "Per-process settings (a process may set them on its own command line; every other key is fixed in "
-        "RUN/config.json by `shardrl init`): " + ", ".join(f"`{k}`" for k in sorted(PER_PROCESS_FIELDS)) + "."
-    ]
-
-    def walk(model: type[BaseModel], prefix: str, variant: str = "") -> None:
-        rows = []
-        subs = []
-        for name, f in model.model_fields.items():
-            sections = _sections(f.annotation)
-            if sections:
-                subs.append((name, sections))
-                continue
-            rows.append(f"| `{prefix}{name}` | {_default_cell(f)} | {f.description or ''} |")
-        if rows:
-            lines.append(f"\n**[{prefix.rstrip('.')}]**{variant} {(model.__doc__ or '').strip()}\n")
-            lines.append("| key | default | meaning |\n|---|---|---|")
-            lines.extend(rows)
-        for name, sections in subs:
-            key = _discriminator(sections) if len(sections) > 1 else None
-            for sub in sections:
-                tag = f" {key} = {json.dumps(get_args(sub.model_fields[key].annotation)[0])}:" if key else ""
-                walk(sub, f"{prefix}{name}.", tag)
-
-    walk(ShardRLConfig, "")
-    return "\n".join(lines).strip() + "\n"
