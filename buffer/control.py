@@ -30,6 +30,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -188,11 +189,19 @@ def command_key(raw: bytes, st: os.stat_result) -> str:
 class ControlWatcher:
     """Polls control.json for one supervisor and applies new commands exactly once (run-wide)."""
 
-    def __init__(self, layout: RunLayout, max_workers: int, settle_s: float, who: str):
+    def __init__(
+        self,
+        layout: RunLayout,
+        max_workers: int,
+        settle_s: float,
+        who: str,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.layout = layout
         self.max_workers = max_workers
         self.settle_s = settle_s
         self.who = who
+        self._clock = clock  # settle_s is judged on this clock (a test moves it by hand)
         self._handled: str | None = None
         self._unparsable_since: dict[str, float] = {}
         self._failing_since: dict[int, tuple[int, float]] = {}
@@ -237,9 +246,9 @@ class ControlWatcher:
 
     def _persistent(self, err: int) -> bool:
         """A transient-looking error is judged persistent once seen on two polls in a row, settle_s apart."""
-        count, first = self._failing_since.get(err, (0, time.monotonic()))
+        count, first = self._failing_since.get(err, (0, self._clock()))
         self._failing_since[err] = (count + 1, first)
-        return count + 1 >= 2 and time.monotonic() - first >= self.settle_s
+        return count + 1 >= 2 and self._clock() - first >= self.settle_s
 
     @staticmethod
     def _refusal(path: Any, reason: str) -> tuple[bytes, os.stat_result]:
@@ -272,8 +281,8 @@ class ControlWatcher:
             return False  # it parses: the command is complete, just wrong
         except ValueError:
             pass
-        first = self._unparsable_since.setdefault(key, time.monotonic())
-        return time.monotonic() - first < self.settle_s
+        first = self._unparsable_since.setdefault(key, self._clock())
+        return self._clock() - first < self.settle_s
 
 
 def write_command(layout: RunLayout, action: str, count: int) -> None:
@@ -333,10 +342,13 @@ class _Observation:
 class Leases:
     """Worker-slot leases for one supervisor (``holder``)."""
 
-    def __init__(self, layout: RunLayout, holder: str, timeout_s: float):
+    def __init__(
+        self, layout: RunLayout, holder: str, timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ):
         self.layout = layout
         self.holder = holder
         self.timeout_s = timeout_s
+        self._clock = clock  # staleness is judged on this observer's clock only
         self.generations: dict[int, int] = {}  # slot -> the generation we hold
         self.counters: dict[int, int] = {}
         self._seen: dict[int, _Observation] = {}
@@ -359,7 +371,7 @@ class Leases:
     def is_stale(self, slot: int, rec: dict) -> bool:
         """True once ``rec`` (generation, holder, counter) has stayed the same for ``timeout_s`` on our clock."""
         key = (rec.get("generation"), rec.get("holder"), rec.get("counter"))
-        obs, now = self._seen.get(slot), time.monotonic()
+        obs, now = self._seen.get(slot), self._clock()
         if obs is None or obs.key != key:
             self._seen[slot] = _Observation(key, now)
             return False
@@ -425,19 +437,27 @@ class Leases:
 class LeaseWatch:
     """A worker's view of its own slot's lease: is it still its supervisor's, and is it still moving?"""
 
-    def __init__(self, layout: RunLayout, slot: int, holder: str, timeout_s: float):
+    def __init__(
+        self,
+        layout: RunLayout,
+        slot: int,
+        holder: str,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.layout = layout
         self.slot = slot
         self.holder = holder
+        self._clock = clock  # the stall is judged on the worker's own clock
         self.poll_s = timeout_s * WATCH_POLL_FRACTION
         self.stall_s = timeout_s * WATCH_STALL_FRACTION
         self.exit_s = timeout_s * WATCH_EXIT_FRACTION
         self._key: tuple[Any, ...] | None = None
-        self._since = time.monotonic()
+        self._since = clock()
 
     def check(self) -> str | None:
         """None while the lease is fine; otherwise the one-line reason why the worker must stop now."""
-        now = time.monotonic()
+        now = self._clock()
         try:
             rec = read_lease(self.layout, self.slot)
         except OSError:

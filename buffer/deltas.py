@@ -39,9 +39,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .digests import DIGEST_CHUNK, StreamDigest, WeightsError, hash_threads
 from .fsio import naming
 from .records import Record, read_record, write_record
-from .weights import DIGEST_CHUNK, StreamDigest, WeightsError, hash_threads
 
 DELTA_RECORD = "delta.json"
 DELTA_SUFFIX = ".xor.zst"

@@ -281,11 +281,13 @@ def retry_transient(
     attempts: int = 5,
     delay_s: float = 0.05,
     errnos: frozenset[int] = TRANSIENT_ERRNOS,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> T:
     """Call ``fn``; retry the OSErrors a network filesystem produces transiently (``errnos``), with backoff.
 
     The one retry policy of the run directory: ``attempts`` calls in all, sleeping ``delay_s``, then twice that, ...
-    between them.  Any other error, and the last transient one, is raised unchanged.
+    between them (through ``sleep``, so a test can act during the backoff).  Any other error, and the last transient
+    one, is raised unchanged.
     """
     for i in range(attempts):
         try:
@@ -293,7 +295,7 @@ def retry_transient(
         except OSError as e:
             if e.errno not in errnos or i == attempts - 1:
                 raise
-            time.sleep(delay_s * (2**i))
+            sleep(delay_s * (2**i))
     raise ValueError(f"retry_transient: attempts must be >= 1, got {attempts}")
 
 

@@ -286,10 +286,13 @@ LIVE_STATES = (
 class LatestPointer(Record):
     """``weights/LATEST``: the newest complete weight version (replaced atomically after the version is sealed)."""
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     version: int = Field(ge=1)
     path: str
     step: int = Field(ge=0)
+    delta_of: int | None = Field(
+        None, ge=1
+    )  # a delta against this full version (``buffer.deltas``); None: full
 
 
 class ManifestFile(_Strict):
@@ -309,7 +312,7 @@ class WeightsManifest(Record):
     None when there is none.
     """
 
-    schema_version: Literal[2] = 2
+    schema_version: Literal[3] = 3
     max_bytes: ClassVar[int] = 16 << 20
     version: int = Field(ge=1)
     step: int = Field(ge=0)
@@ -320,6 +323,8 @@ class WeightsManifest(Record):
     adapter: str | None = None
     base_model: str | None = None
     base_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    # a delta against this full version: its safetensors are XOR + zstd files and delta.json (``buffer.deltas``)
+    delta_of: int | None = Field(None, ge=1)
 
 
 # ---------------------------------------------------------------------------------------------- control

@@ -35,25 +35,28 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from .deltas import DELTA_RECORD, DeltaError, DeltaRecord, read_delta_record, write_delta_record
+
+# re-exported: the digests of weight files are part of this module's interface
+from .digests import (  # noqa: F401
+    DIGEST_CHUNK,
+    HASH_THREADS,
+    StreamDigest,
+    WeightsError,
+    digest_as,
+    file_digests,
+    hash_threads,
+    sha256_file,
+    sha256_files,
+)
 from .fsio import chmod_file, fsync_dir, make_dirs, naming, retry_transient
 from .layout import RunLayout
 from .records import LatestPointer, ManifestFile, RecordError, WeightsManifest, read_record, write_record
 
-if TYPE_CHECKING:
-    from .deltas import DeltaRecord
-
 MANIFEST = "manifest.json"
-HASH_THREADS = 8  # sha256 runs at ~1-2 GB/s per core: a few threads keep up with a parallel file system
-DIGEST_CHUNK = 64 << 20  # bytes per independently hashed piece of a weight file
-
-
-class WeightsError(RuntimeError):
-    """A weight version is missing, incomplete or does not match its manifest."""
 
 
 @dataclass(frozen=True)
@@ -91,106 +94,6 @@ def staging_dir(layout: RunLayout, version: int) -> Path:
     return d
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with naming(path), open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def sha256_files(paths: list[Path]) -> list[str]:
-    """``sha256_file`` of each path, in parallel threads (one file alone is hashed in this thread)."""
-    if len(paths) <= 1:
-        return [sha256_file(p) for p in paths]
-    with ThreadPoolExecutor(min(len(paths), HASH_THREADS, os.cpu_count() or 1)) as pool:
-        return list(pool.map(sha256_file, paths))
-
-
-def hash_threads(tasks: int) -> int:
-    return max(1, min(tasks, HASH_THREADS, os.cpu_count() or 1))
-
-
-def _sha256_parts(parts: list[memoryview]) -> bytes:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part)
-    return h.digest()
-
-
-def _digest_of(piece_digests: list[bytes]) -> str:
-    return hashlib.sha256(b"".join(piece_digests)).hexdigest()
-
-
-def _hash_piece(path: Path, offset: int, length: int, block: int = 8 << 20) -> bytes:
-    h = hashlib.sha256()
-    buf = bytearray(min(block, max(length, 1)))
-    view = memoryview(buf)
-    with naming(path), open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        while length > 0:
-            n = os.preadv(fd, [view[: min(length, len(buf))]], offset)
-            if n == 0:
-                break  # shorter than its size a moment ago: the digest will not match
-            h.update(view[:n])
-            offset, length = offset + n, length - n
-    return h.digest()
-
-
-def file_digests(paths: list[Path], chunk: int | None = None) -> list[str]:
-    """The manifest digest of each file (sha256 over the sha256 digests of its ``chunk``-byte pieces; one empty piece
-    for an empty file), every piece of every file hashed in parallel threads; ``chunk`` defaults to
-    ``DIGEST_CHUNK``."""
-    chunk = chunk or DIGEST_CHUNK
-    pieces = []
-    for i, p in enumerate(paths):
-        size = retry_transient(p.stat).st_size
-        pieces += [(i, p, off, min(chunk, size - off)) for off in range(0, max(size, 1), chunk)]
-    with ThreadPoolExecutor(hash_threads(len(pieces))) as pool:
-        digests = list(pool.map(lambda t: _hash_piece(t[1], t[2], t[3]), pieces))
-    by_file: list[list[bytes]] = [[] for _ in paths]
-    for (i, *_), d in zip(pieces, digests, strict=True):
-        by_file[i].append(d)
-    return [_digest_of(ds) for ds in by_file]
-
-
-def digest_as(path: Path, chunk_bytes: int | None) -> str:
-    """``path``'s digest in the form of a manifest entry with this ``chunk_bytes`` (None: the plain sha256)."""
-    return sha256_file(path) if chunk_bytes is None else file_digests([path], chunk_bytes)[0]
-
-
-class StreamDigest:
-    """The manifest digest of a file written as a stream of blocks, its pieces hashed in ``pool``'s threads.
-
-    Blocks must stay unchanged until ``hexdigest`` returns (the writer's staged host memory does)."""
-
-    def __init__(self, pool: ThreadPoolExecutor, chunk: int | None = None):
-        self.pool, self.chunk = pool, chunk or DIGEST_CHUNK
-        self._parts: list[memoryview] = []
-        self._fill = 0
-        self._pieces: list[Future[bytes]] = []
-
-    def update(self, data: memoryview) -> None:
-        while len(data):
-            take = min(len(data), self.chunk - self._fill)
-            self._parts.append(data[:take])
-            self._fill += take
-            data = data[take:]
-            if self._fill == self.chunk:
-                self._piece()
-
-    def _piece(self) -> None:
-        self._pieces.append(self.pool.submit(_sha256_parts, self._parts))
-        self._parts, self._fill = [], 0
-
-    def hexdigest(self) -> str:
-        if self._parts or not self._pieces:
-            self._piece()
-        return _digest_of([f.result() for f in self._pieces])
-
-
 def commit_version(
     layout: RunLayout,
     version: int,
@@ -213,7 +116,6 @@ def commit_version(
     ``delta``: the version is a delta (its delta files are in ``staging``); the record is written as
     ``delta.json`` and sealed by the manifest with the other files.
     """
-    from .deltas import DELTA_RECORD, write_delta_record
 
     known = known_digests or {}
     if delta is not None:
@@ -255,6 +157,7 @@ def commit_version(
             "adapter": adapter,
             "base_model": base_model,
             "base_sha256": base_sha256,
+            "delta_of": None if delta is None else delta.base,
         },
         staging / MANIFEST,
     )
@@ -264,15 +167,18 @@ def commit_version(
         raise WeightsError(f"{final}: version {version} is already published")
     staging.rename(final)
     fsync_dir(layout.weights)
-    write_latest(layout, version, step)
+    write_latest(layout, version, step, delta_of=manifest.delta_of)
     return _weight_version(final, manifest)
 
 
-def write_latest(layout: RunLayout, version: int, step: int) -> None:
-    """Point LATEST at ``version`` (atomically); ``commit_version`` does this once the version is sealed."""
+def write_latest(layout: RunLayout, version: int, step: int, *, delta_of: int | None = None) -> None:
+    """Point LATEST at ``version`` (atomically); ``commit_version`` does this once the version is sealed.
+    ``delta_of``: the full version that ``version`` is a delta against (None: a full version)."""
     write_record(
         layout.latest_pointer,
-        LatestPointer(version=version, path=layout.weight_version(version).name, step=step),
+        LatestPointer(
+            version=version, path=layout.weight_version(version).name, step=step, delta_of=delta_of
+        ),
     )
 
 
@@ -348,7 +254,6 @@ def _digests(path: Path, manifest: WeightsManifest, rels: list[str]) -> list[str
 
 
 def _weight_version(path: Path, manifest: WeightsManifest) -> WeightVersion:
-    from .deltas import DELTA_RECORD, read_delta_record
 
     adapter = path / manifest.adapter if manifest.adapter is not None else None
     delta = read_delta_record(path) if DELTA_RECORD in manifest.files else None
@@ -389,7 +294,6 @@ def retained(versions: list[int], keep: int, every: int = 0) -> set[int]:
 def delta_base(layout: RunLayout, version: int) -> int | None:
     """The full version that version ``version`` is a delta against; None for a full (or missing) version.  A delta
     whose record cannot be read names no base: it cannot be reconstructed anyway."""
-    from .deltas import DeltaError, read_delta_record
 
     try:
         record = read_delta_record(layout.weight_version(version))

@@ -41,6 +41,7 @@ from buffer import metrics
 from buffer.config import ConfigError, parse_overrides, resolve_dtype
 from buffer.control import LeaseWatch
 from buffer.heartbeats import load_worker, worker_status
+from buffer.logs import setup_logging
 from buffer.records import RecordError
 from buffer.run import Run, open_run
 from buffer.shards import ShardWriter, new_incarnation
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"shardrl-rollout worker {wid}: {e}", file=sys.stderr)
         return EXIT_USER
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    setup_logging("rollout")
     worker = RolloutWorker(run, args.slot, wid, life, supervisor=args.supervisor)
     if args.parent_pid is not None:
         life.watch_parent(args.parent_pid)

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         parser = _parser()
         args, extra = parser.parse_known_args(rest)
         if extra and hasattr(args, "paths") and not any(a.startswith("-") for a in extra):
-            args.paths += map(Path, extra)  # `RUN --version V OUT`: argparse stops a positional list at an option
+            # `RUN --version V OUT`: argparse ends a positional list at the first option
+            args.paths += map(Path, extra)
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _resolve_run(args)

@@ -107,18 +107,18 @@ def export_version(run_dir: Path, version: str, out: Path) -> VersionExport:
     except WeightsError as e:
         raise ExportError(str(e)) from None
     _fresh_out(out)
-    manifest = manifest_of(wv.path)
-    files = manifest["files"]
-    written = [*files, MANIFEST]
     tmp = tmp_name(out)
     tmp.mkdir()
+    scratch = tmp_name(out.parent / f"{out.name}-delta")
     try:
+        src = _full_files(run.layout, wv.path, v, scratch)
+        manifest = manifest_of(src)
+        files = manifest["files"]
+        written = [*files, MANIFEST]
         for rel, meta in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            _copy_checked(wv.path / rel, tmp / rel, meta)
-        _copy_checked(
-            wv.path / MANIFEST, tmp / MANIFEST, None
-        )  # provenance: version, step, every file's sha256
+            _copy_checked(src / rel, tmp / rel, meta)
+        _copy_checked(src / MANIFEST, tmp / MANIFEST, None)  # provenance: version, step, every file's sha256
         if not any(name in files for name in TOKENIZER_FILES):
             for name in TOKENIZER_FILES:
                 if (run.tokenizer_dir / name).is_file():
@@ -136,7 +136,23 @@ def export_version(run_dir: Path, version: str, out: Path) -> VersionExport:
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return VersionExport(out, v, int(manifest.get("step", 0)), sorted(written))
+
+
+def _full_files(layout: RunLayout, path: Path, version: int, scratch: Path) -> Path:
+    """The directory of ``version`` as full HF files: ``path`` itself, or for a delta version (XOR against a base,
+    ``buffer/deltas.py``) its reconstruction under ``scratch``, checked against the digests the delta records."""
+    from buffer.deltas import DELTA_RECORD
+
+    if not (path / DELTA_RECORD).is_file():
+        return path
+    from buffer.localcache import NodeCache
+
+    try:
+        return NodeCache(layout, scratch).materialise(version).path
+    except WeightsError as e:
+        raise ExportError(str(e)) from None
 
 
 @dataclass
@@ -191,10 +207,10 @@ def export_shards(run_dir: Path, out: Path) -> ShardExport:
 def main(cmd: str, run_dir: Path, out: Path, version: str | None) -> int:
     """The two subcommands' output lines; exit 1 when a shard failed validation."""
     if cmd == "export":
-        rep = export_version(run_dir, str(version), out)
+        done = export_version(run_dir, str(version), out)
         print(
-            f"exported weights v{rep.version} (step {rep.step}) to {rep.out}: {len(rep.files)} files "
-            f"({', '.join(rep.files)})"
+            f"exported weights v{done.version} (step {done.step}) to {done.out}: {len(done.files)} files "
+            f"({', '.join(done.files)})"
         )
         return 0
     rep = export_shards(run_dir, out)

@@ -96,8 +96,8 @@ class ShardCache:
         listed = [s for s in self.lister.list() if s.name not in self.done and s.name not in self.rows]
         # A shard some of whose rows are consumed is the original of any copy of it: loaded first, it owns its
         # sample ids, so a copy (listed before it or not) is the one quarantined, never trained again.
-        listed.sort(key=lambda s: consumption.consumed_in(s.name) == 0)
-        for s in listed:
+        accepted: dict[str, list[Sample]] = {}
+        for s in sorted(listed, key=lambda s: consumption.consumed_in(s.name) == 0):
             rows = self._load_new(s.name)
             if rows is None:
                 continue
@@ -107,7 +107,10 @@ class ShardCache:
                 self._quarantine(s.name, reason)
                 continue
             self.owner.update((r.sample_id, s.name) for r in rows)
-            self.rows[s.name] = [r for r in rows if not consumption.is_consumed(s.name, r.row)]
+            accepted[s.name] = [r for r in rows if not consumption.is_consumed(s.name, r.row)]
+        for s in listed:  # in listing order, whichever loaded first: the order groups are planned in
+            if s.name in accepted:
+                self.rows[s.name] = accepted[s.name]
         self.drop_consumed()
         return new
 

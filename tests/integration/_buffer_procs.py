@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 from buffer import control, shards, weights
 from buffer.layout import RunLayout
@@ -43,12 +45,21 @@ def publish_forever(layout: RunLayout) -> None:
         v += 1
 
 
-def supervisor_control_loop(layout: RunLayout, who: str, seconds: float) -> None:
-    """Stand-in for a node supervisor's control polling (the real supervisor uses the same watcher)."""
+def supervisor_control_loop(layout: RunLayout, who: str, seconds: float, seen: Path) -> None:
+    """Stand-in for a node supervisor's control polling (the real supervisor uses the same watcher).
+
+    After each poll whose control generation differs from the last, the generation is written to ``seen`` (tmp ->
+    rename), so the test knows when this supervisor is polling and when it has seen a command's outcome.
+    """
     w = control.ControlWatcher(layout, max_workers=64, settle_s=0.5, who=who)
-    end = time.monotonic() + seconds
+    end, reported = time.monotonic() + seconds, None
     while time.monotonic() < end:
-        w.poll()
+        generation = w.poll().generation
+        if generation != reported:
+            tmp = seen.with_name(f".tmp.{seen.name}")
+            tmp.write_text(f"{generation}\n")
+            os.replace(tmp, seen)
+            reported = generation
         time.sleep(0.005)
 
 
@@ -59,6 +70,6 @@ if __name__ == "__main__":
     elif mode == "publish":
         publish_forever(run)
     elif mode == "control":
-        supervisor_control_loop(run, sys.argv[3], float(sys.argv[4]))
+        supervisor_control_loop(run, sys.argv[3], float(sys.argv[4]), Path(sys.argv[5]))
     else:
         raise SystemExit(f"unknown mode {mode}")

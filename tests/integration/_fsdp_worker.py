@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer.layout import RunLayout
+from tests.integration._common import free_port
 from trainer import dist as tdist
 from trainer.checkpoint import latest_complete_checkpoint, load_checkpoint, save_checkpoint
 from trainer.model import (
@@ -49,12 +49,6 @@ REPO = WORKER.parents[2]
 CHUNK = 5  # several chunks per micro-batch, so the chunked path is exercised under FSDP
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(args: list[str | Path], nproc: int, timeout_s: float = 600.0) -> float:
     """Run this worker with ``nproc`` ranks (torchrun), or as one plain process when ``nproc`` is 1; return the
     wall time.  A failure raises with the tail of the workers' output."""
@@ -68,7 +62,7 @@ def launch(args: list[str | Path], nproc: int, timeout_s: float = 600.0) -> floa
     env.update(PYTHONFAULTHANDLER="1", TORCH_SHOW_CPP_STACKTRACES="1")
     head = [sys.executable]
     if nproc > 1:
-        head += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]
+        head += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
     t0 = time.monotonic()
     proc = subprocess.run(
         [*head, str(WORKER), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout_s

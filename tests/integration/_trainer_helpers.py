@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from buffer.layout import RunLayout
 from buffer.run import open_run
 from shardrl.runs import init_run
 
-from ._common import wait_for
+from ._common import free_port, wait_for
 
 __all__ = ["wait_for"]
 
@@ -73,12 +72,6 @@ def synth(layout: RunLayout, shards: int, samples: int, seed: int = 0) -> None:
     synth_shards(open_run(layout.root), shards, samples, seed=seed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), e.get("PYTHONPATH", "")) if p)
@@ -92,7 +85,7 @@ def command(nproc: int, *args: str | Path) -> list[str]:
     """``python -m trainer ARGS`` as one process, or under torchrun with ``nproc`` ranks."""
     head = [sys.executable]
     if nproc > 1:
-        head += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]
+        head += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
     return [*head, *map(str, args)]
 
 

@@ -36,6 +36,8 @@ from buffer.schema import META_RUN_ID, META_SCHEMA_VERSION
 from buffer.shards import ShardName, build_table, load_or_quarantine, quarantined
 from tests.unit.buffer_helpers import sample
 
+from ._common import shardrl
+
 REPO = Path(__file__).resolve().parents[2]
 MAX_WORKERS = 4
 VOCAB = 100
@@ -68,17 +70,6 @@ def one_clear_line(text: str, needles: tuple[Needle, ...]) -> str:
         options = n if isinstance(n, tuple) else (n,)
         assert any(o in text for o in options), f"{options} not in {text!r}"
     return text
-
-
-def shardrl(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardrl.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
 
 
 # --------------------------------------------------------------------------------------------- control.json

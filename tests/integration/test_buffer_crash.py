@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,17 +17,29 @@ import pytest
 from buffer import SCHEMA_VERSION, control, shards, weights
 from buffer.layout import RunLayout
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._common import ROOT, shardrl, wait_for
 
 
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.integration._buffer_procs", *args], cwd=ROOT)
 
 
-def _kill_at_random(args: list[str], rounds: int, rng: random.Random) -> None:
+def _kill_at_random(
+    args: list[str], rounds: int, rng: random.Random, progress: Callable[[], int], most_s: float
+) -> None:
+    """Start the child ``rounds`` times; each time, once ``progress()`` shows it has published (its interpreter is
+    up and inside the write loop), SIGKILL it at a random point up to ``most_s`` later."""
     for _ in range(rounds):
+        before = progress()
         p = _spawn(*args)
-        time.sleep(rng.uniform(0.3, 1.2))  # interpreter start + a random point inside the write loop
+        wait_for(
+            "the child's first publish",
+            lambda b=before: progress() > b,
+            timeout=60,
+            every=0.01,
+            alive=lambda p=p: p.poll() is None,
+        )
+        time.sleep(rng.uniform(0.0, most_s))
         p.send_signal(signal.SIGKILL)
         p.wait()
 
@@ -34,7 +47,9 @@ def _kill_at_random(args: list[str], rounds: int, rng: random.Random) -> None:
 def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     layout = RunLayout.of(tmp_path / "run")
     layout.create()
-    _kill_at_random(["shards", str(layout.root)], rounds=8, rng=random.Random(1))
+    _kill_at_random(
+        ["shards", str(layout.root)], 8, random.Random(1), lambda: len(shards.list_ready(layout)), most_s=0.9
+    )
     ready = shards.list_ready(layout)
     assert len(ready) >= 8, "the writer should have published shards before being killed"
     for s in ready:  # every visible shard is complete and valid
@@ -42,7 +57,6 @@ def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     in_buckets = [n for b in shards.ready_buckets(layout) for n in os.listdir(layout.ready_bucket(b))]
     assert sorted(in_buckets) == sorted(s.name for s in ready)
     # the killed writers' temporaries: fsck finds them, --repair removes them, then fsck is clean
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     (layout.run_json).write_text(
         json.dumps({"run_id": "r", "schema_version": SCHEMA_VERSION, "created_at": 0})
     )
@@ -51,27 +65,12 @@ def test_sigkilled_shard_writer_never_leaves_a_partial_ready_shard(tmp_path):
     cfg = ShardRLConfig.model_validate({"reward": {"function": "max_digit"}})  # every run names its reward
     layout.config_json.write_text(cfg.model_dump_json())
     leftovers = list(layout.shards_tmp.iterdir())
-    check = subprocess.run(
-        [sys.executable, "-m", "shardrl.cli", "fsck", str(layout.root)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    check = shardrl("fsck", layout.root)
     if leftovers:
         assert check.returncode == 1 and "abandoned temporary" in check.stdout
-    rep = subprocess.run(
-        [sys.executable, "-m", "shardrl.cli", "fsck", str(layout.root), "--repair"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    rep = shardrl("fsck", layout.root, "--repair")
     assert list(layout.shards_tmp.iterdir()) == []
-    again = subprocess.run(
-        [sys.executable, "-m", "shardrl.cli", "fsck", str(layout.root)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    again = shardrl("fsck", layout.root)
     assert again.returncode == 0, again.stdout + rep.stdout
 
 
@@ -80,10 +79,9 @@ def test_killed_publisher_never_makes_latest_point_to_an_incomplete_version(tmp_
     layout.create()
     rng = random.Random(2)
     for _ in range(6):
-        p = _spawn("publish", str(layout.root))
-        time.sleep(rng.uniform(0.4, 1.5))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+        _kill_at_random(
+            ["publish", str(layout.root)], 1, rng, lambda: weights.latest_version(layout), most_s=1.1
+        )
         v = weights.read_latest(layout, checksums=True)  # raises if LATEST points at anything incomplete
         if v is not None:
             assert v.version == weights.latest_version(layout)
@@ -106,18 +104,26 @@ def test_racing_supervisors_apply_each_command_exactly_once(tmp_path):
     layout = RunLayout.of(tmp_path / "run")
     layout.create()
     control.init_state(layout, 0)
-    procs = [_spawn("control", str(layout.root), f"sup{i}", "12") for i in range(4)]
-    time.sleep(1.5)  # interpreters up and polling
+    seen = [tmp_path / f"sup{i}.seen" for i in range(4)]
+    procs = [_spawn("control", str(layout.root), f"sup{i}", "12", str(seen[i])) for i in range(4)]
+
+    def seen_by_all(generation: int) -> bool:
+        """Every supervisor has polled and seen at least ``generation`` (each writes what it saw)."""
+        return all(s.exists() and int(s.read_text()) >= generation for s in seen)
+
+    wait_for("every supervisor polling", lambda: seen_by_all(0), timeout=60, every=0.02)
     commands = [("add", 2), ("add", 2), ("remove", 1), ("set", 5), ("add", 3), ("remove", 2)]
     expected = 0
-    for action, count in commands:
+    for generation, (action, count) in enumerate(commands, start=1):
         _echo_slowly(layout.control_file, json.dumps({"action": action, "count": count}))
         expected = {"add": expected + count, "remove": expected - count, "set": count}[action]
-        deadline = time.monotonic() + 5
-        while control.read_state(layout).desired != expected and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(f"desired {expected}", lambda e=expected: control.read_state(layout).desired == e, 5, 0.05)
         assert control.read_state(layout).desired == expected
-        time.sleep(0.3)  # let every supervisor see it (a second application would show up here)
+        # every supervisor has seen this command's outcome: from here a second application would show as an extra
+        # generation in the count below
+        wait_for(
+            f"every supervisor at generation {generation}", lambda g=generation: seen_by_all(g), 10, 0.02
+        )
     for p in procs:
         p.wait(timeout=20)
     st = control.read_state(layout)

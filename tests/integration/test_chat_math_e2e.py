@@ -8,8 +8,6 @@ trainer as separate processes.  The audit recomputes every stored reward with th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,17 +16,10 @@ from buffer import plans, shards
 from buffer.layout import RunLayout
 from rollout_worker.rewards import Sample, math_answer
 
+from ._common import shardrl
 from ._rollout_helpers import spawn, tail, wait_for
 
 QUESTIONS = [("What is 2+3?", "5"), ("Half of 1?", "\\frac12"), ("10^3 = ?", "1000"), ("7-7?", "0")]
-
-
-def _shardrl(*args: str | Path, cwd: Path) -> str:
-    r = subprocess.run(
-        [sys.executable, "-P", "-m", "shardrl.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
 
 
 def _config(tmp: Path, model: Path) -> Path:
@@ -78,9 +69,9 @@ lr = 1e-4
 
 def test_chat_prompts_with_math_answer_train_end_to_end(tmp_path: Path) -> None:
     model = tmp_path / "my-model"
-    _shardrl("tiny-model", model, cwd=tmp_path)
+    shardrl("tiny-model", model, cwd=tmp_path, check=True)
     run = tmp_path / "run"
-    _shardrl("init", run, "--config", _config(tmp_path, model), cwd=tmp_path)
+    shardrl("init", run, "--config", _config(tmp_path, model), cwd=tmp_path, check=True)
     layout = RunLayout.of(run)
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -4,28 +4,21 @@ end once the run is finished."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from buffer import metrics, weights
+from buffer import metrics
 from buffer.run import Run
 from buffer.status import mark_finished
 from rollout_worker.evaluator import is_due, pending, summarize
 
+from ._common import publish_model
 from ._rollout_helpers import ROOT, make_run
 
 EVAL = ["--eval", "--eval.every", "1", "--eval.base", "false", "--eval.max_prompts", "20"]
-
-
-def _publish(run: Run, model_dir: Path, version: int) -> None:
-    staging = weights.staging_dir(run.layout, version)
-    for f in [*model_dir.glob("*.safetensors"), model_dir / "config.json"]:
-        shutil.copy(f, staging / f.name)
-    weights.commit_version(run.layout, version, staging, step=version * 10, dtype="float32")
 
 
 def _evaluate(run: Run, *, once: bool = True) -> subprocess.CompletedProcess[str]:
@@ -43,7 +36,7 @@ def run(tmp_path: Path, tiny_model_tied: Path) -> Run:
         data={"max_prompt_length": 32},
     )
     for v in (1, 2):
-        _publish(r, tiny_model_tied, v)
+        publish_model(r.layout, tiny_model_tied, v, step=v * 10)
     return r
 
 

@@ -5,8 +5,6 @@ anything is written, and the ready shards become Parquet files that read back as
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,15 +12,9 @@ import pytest
 from buffer import shards
 from buffer.config import ShardRLConfig
 from buffer.run import Run
-from buffer.weights import commit_version, sha256_file, staging_dir
+from buffer.weights import sha256_file
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def shardrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardrl.cli", *args], cwd=ROOT, capture_output=True, text=True
-    )
+from ._common import publish_model, shardrl
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +27,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return init_run(tmp_path_factory.mktemp("export") / "run", cfg)
 
 
-def _publish(run: Run, version: int) -> None:
-    """A version with the base model's weights and config only: the tokenizer comes from the run at export."""
-    staging = staging_dir(run.layout, version)
-    for name in ("model.safetensors", "config.json"):
-        (staging / name).write_bytes((run.model_dir / name).read_bytes())
-    commit_version(run.layout, version, staging, step=version, dtype="float32")
-
-
 def test_export_writes_a_loadable_model_and_refuses_a_damaged_version(run: Run, tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _publish(run, 1)
+    publish_model(run.layout, run.model_dir, 1, step=1)  # no tokenizer: export takes the run's
     out = tmp_path / "v1"
     p = shardrl("export", str(run.layout.root), "--version", "1", str(out))
     assert p.returncode == 0, p.stderr
@@ -68,7 +52,7 @@ def test_export_writes_a_loadable_model_and_refuses_a_damaged_version(run: Run, 
     )
 
     # a flipped byte of the same size: the manifest's checksum catches it and nothing is written
-    _publish(run, 2)
+    publish_model(run.layout, run.model_dir, 2, step=2)
     weights = run.layout.weight_version(2) / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from buffer.config import ShardRLConfig
 from buffer.layout import RunLayout
 from buffer.records import Plan
+
+if TYPE_CHECKING:
+    from buffer.weights import WeightVersion
 
 
 def make_layout(tmp_path: Path) -> RunLayout:
@@ -55,6 +58,17 @@ def publish_ids(layout: RunLayout, ids: list[str], worker: str = "w0", run_id: s
     path = w.flush()
     assert path is not None
     return path.name
+
+
+def publish_version(layout: RunLayout, version: int, payload: bytes = b"x" * 100) -> WeightVersion:
+    """Weight ``version`` at step ``10 * version``: ``payload`` as its model.safetensors and an empty config.json,
+    committed the way the trainer commits (staging -> manifest -> LATEST)."""
+    from buffer import weights
+
+    st = weights.staging_dir(layout, version)
+    (st / "model.safetensors").write_bytes(payload)
+    (st / "config.json").write_text("{}")
+    return weights.commit_version(layout, version, st, step=version * 10, dtype="float32")
 
 
 def plan_sample_ids(layout: RunLayout, plan: Plan, which: str = "takes") -> list[str]:

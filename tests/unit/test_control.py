@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -11,6 +10,16 @@ from buffer import control
 from buffer.fsio import write_json_atomic
 
 from .buffer_helpers import make_layout
+
+
+class _Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _echo(layout, text: str) -> None:
@@ -67,10 +76,11 @@ def test_each_command_applies_once_and_an_identical_echo_later_is_new(tmp_path):
 def test_half_written_file_waits_then_is_rejected_and_desired_stays(tmp_path):
     layout = make_layout(tmp_path)
     control.init_state(layout, 2)
-    w = control.ControlWatcher(layout, 8, settle_s=0.3, who="a")
+    clock = _Clock()
+    w = control.ControlWatcher(layout, 8, settle_s=0.3, who="a", clock=clock)
     _echo(layout, '{"action":"ad')
     assert w.poll().last_rejection is None  # maybe an echo in progress
-    time.sleep(0.35)
+    clock.now += 0.35
     st = w.poll()
     assert st.desired == 2
     assert "not valid JSON" in st.last_rejection["reason"]
@@ -105,13 +115,14 @@ def test_a_corrupt_newest_generation_is_reported_not_reverted_and_blocks_commits
 
 def test_lease_acquire_renew_release_and_stale_takeover(tmp_path):
     layout = make_layout(tmp_path)
-    a = control.Leases(layout, "sup-a", timeout_s=0.3)
-    b = control.Leases(layout, "sup-b", timeout_s=0.3)
+    clock = _Clock()
+    a = control.Leases(layout, "sup-a", timeout_s=0.3, clock=clock)
+    b = control.Leases(layout, "sup-b", timeout_s=0.3, clock=clock)
     assert a.try_acquire(0)
     assert not b.try_acquire(0)
     assert a.renew(0)
     assert not b.try_acquire(0)  # counter moved: b starts its observation again
-    time.sleep(0.35)
+    clock.now += 0.35
     assert b.try_acquire(0)  # a stopped heart-beating for >= timeout on b's clock
     assert control.read_lease(layout, 0)["generation"] == 2
     assert not a.renew(0)  # a learns it lost the slot
@@ -126,39 +137,29 @@ def test_lease_acquire_renew_release_and_stale_takeover(tmp_path):
 
 def test_a_live_lease_is_never_taken_however_old_its_wall_clock(tmp_path):
     layout = make_layout(tmp_path)
-    a = control.Leases(layout, "sup-a", timeout_s=0.2)
-    b = control.Leases(layout, "sup-b", timeout_s=0.2)
+    clock = _Clock()
+    a = control.Leases(layout, "sup-a", timeout_s=0.2, clock=clock)
+    b = control.Leases(layout, "sup-b", timeout_s=0.2, clock=clock)
     assert a.try_acquire(3)
     for _ in range(6):
-        time.sleep(0.1)
+        clock.now += 0.1
         assert a.renew(3)
         assert not b.try_acquire(3)
 
 
-class _Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_a_worker_watch_stops_on_takeover_release_and_a_stalled_holder(tmp_path, monkeypatch):
+def test_a_worker_watch_stops_on_takeover_release_and_a_stalled_holder(tmp_path):
     clock = _Clock()
-    monkeypatch.setattr(control.time, "monotonic", clock)
     layout = make_layout(tmp_path)
-    sup = control.Leases(layout, "sup-a", timeout_s=8.0)
+    sup = control.Leases(layout, "sup-a", timeout_s=8.0, clock=clock)
     assert sup.try_acquire(0) and sup.try_acquire(1) and sup.try_acquire(2)
-    watches = {k: control.LeaseWatch(layout, k, "sup-a", timeout_s=8.0) for k in range(3)}
+    watches = {k: control.LeaseWatch(layout, k, "sup-a", timeout_s=8.0, clock=clock) for k in range(3)}
     assert (watches[0].poll_s, watches[0].stall_s, watches[0].exit_s) == (1.0, 4.0, 1.0)
     for _ in range(10):  # renewed every 3.9s: the stall threshold (4s) is never reached
         assert all(w.check() is None for w in watches.values())
         assert sup.renew(0) and sup.renew(1) and sup.renew(2)
         clock.now += 3.9
     # slot 0: another supervisor's generation appears; slot 1: given back; slot 2: renewals stop
-    other = control.Leases(layout, "sup-b", timeout_s=8.0)
+    other = control.Leases(layout, "sup-b", timeout_s=8.0, clock=clock)
     assert other._claim(0, control.read_lease(layout, 0)["generation"] + 1)
     sup.release(1)
     assert "now held by sup-b" in watches[0].check()

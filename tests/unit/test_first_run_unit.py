@@ -194,7 +194,7 @@ def _prompts_config(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
 def test_init_warns_with_a_count_and_the_first_row_lacking_the_answer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"prompt": "1+1?", "reward_model": {"ground_truth": "2"}},
         {"prompt": "2+2?", "reward_model": {}},
         {"prompt": "3+3?"},
@@ -284,8 +284,13 @@ def test_report_eval_legend_shows_the_recorded_prompt_count() -> None:
 
 def test_export_commands_take_the_run_like_every_other(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[Path, Path]] = []
-    monkeypatch.setitem(cli.COMMANDS, "export", lambda a, _: seen.append((a.run, a.out)) or 0)
-    monkeypatch.setitem(cli.COMMANDS, "export-shards", lambda a, _: seen.append((a.run, a.out)) or 0)
+
+    def record(args: Any, _: dict[str, str]) -> int:
+        seen.append((args.run, args.out))
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "export", record)
+    monkeypatch.setitem(cli.COMMANDS, "export-shards", record)
     assert cli.main(["export", "R", "--version", "3", "O"]) == 0
     assert cli.main(["export", "--run-dir", "R", "--version", "latest", "O"]) == 0
     assert cli.main(["export-shards", "--run-dir", "R", "O"]) == 0
@@ -364,3 +369,8 @@ def test_an_unknown_key_names_the_closest_one_and_the_flag_it_came_from(tmp_path
     config_json.write_text(json.dumps(load_toml(DEMO).model_dump(mode="json")))
     with pytest.raises(ConfigError, match=r"^command line: --trainer.max_step: .*did you mean max_steps\?"):
         load_run_config(config_json, {"trainer.max_step": "3"})
+
+
+def test_the_data_docs_export_example_survives_retention() -> None:
+    docs = (ROOT / "docs" / "DATA.md").read_text()
+    assert "shardrl export runs/demo --version latest" in docs and "--version 3 exports" not in docs

@@ -342,7 +342,7 @@ def _denied(calls: list[int]) -> Any:
     return fn
 
 
-def test_retry_reads_a_file_renamed_into_place_during_the_backoff(tmp_path: Path, monkeypatch) -> None:
+def test_retry_reads_a_file_renamed_into_place_during_the_backoff(tmp_path: Path) -> None:
     final, tmp = tmp_path / "LATEST", tmp_path / ".tmp.LATEST"
     tmp.write_text("v2")
     slept: list[float] = []
@@ -352,8 +352,7 @@ def test_retry_reads_a_file_renamed_into_place_during_the_backoff(tmp_path: Path
         if len(slept) == 2:
             os.rename(tmp, final)
 
-    monkeypatch.setattr(fsio.time, "sleep", writer_finishes)
-    assert fsio.retry_transient(final.read_text, attempts=5, delay_s=0.05) == "v2"
+    assert fsio.retry_transient(final.read_text, attempts=5, delay_s=0.05, sleep=writer_finishes) == "v2"
     assert slept == [0.05, 0.1]  # two misses, backing off, then the read
 
 

@@ -173,11 +173,6 @@ def test_a_shard_with_a_sample_the_run_cannot_train_is_quarantined_and_never_pla
     assert sorted(_all_planned(layout)) == [f"ok.{i}" for i in range(4)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer/data.py ShardCache.refresh: after a restart the shard listed first owns the sample ids, so a "
-    "copy listed before the consumed original quarantines the original and its rows are planned again",
-)
 def test_a_copy_listed_before_a_consumed_original_is_not_planned_after_a_restart(tmp_path: Path) -> None:
     layout = make_layout(tmp_path)
     original = _publish(layout, ["a"])

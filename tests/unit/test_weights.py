@@ -12,23 +12,16 @@ import time
 
 import pytest
 
-from buffer import fsio, heartbeats, weights
+from buffer import digests, fsio, heartbeats, weights
 from buffer.records import RecordError
 
-from .buffer_helpers import make_layout
-
-
-def _publish(layout, version: int, payload: bytes = b"x" * 100):
-    st = weights.staging_dir(layout, version)
-    (st / "model.safetensors").write_bytes(payload)
-    (st / "config.json").write_text("{}")
-    return weights.commit_version(layout, version, st, step=version * 10, dtype="float32")
+from .buffer_helpers import make_layout, publish_version
 
 
 def test_publish_then_read_latest(tmp_path):
     layout = make_layout(tmp_path)
     assert weights.read_latest(layout) is None and weights.latest_version(layout) == 0
-    _publish(layout, 1)
+    publish_version(layout, 1)
     v = weights.read_latest(layout, checksums=True)
     assert v is not None and v.version == 1 and v.step == 10
     manifest = json.loads((v.path / "manifest.json").read_text())
@@ -38,7 +31,7 @@ def test_publish_then_read_latest(tmp_path):
 
 def test_damaged_version_fails_verification(tmp_path):
     layout = make_layout(tmp_path)
-    v = _publish(layout, 1)
+    v = publish_version(layout, 1)
     (v.path / "model.safetensors").write_bytes(b"y" * 100)  # same size, other bytes
     weights.verify_version(layout, 1, checksums=False)  # sizes still match
     with pytest.raises(weights.WeightsError, match=r"model\.safetensors: sha256"):
@@ -53,7 +46,7 @@ def test_damaged_version_fails_verification(tmp_path):
 
 def test_uncommitted_staging_is_invisible(tmp_path):
     layout = make_layout(tmp_path)
-    _publish(layout, 1)
+    publish_version(layout, 1)
     st = weights.staging_dir(layout, 2)
     (st / "model.safetensors").write_bytes(b"half")
     assert weights.latest_version(layout) == 1
@@ -63,7 +56,7 @@ def test_uncommitted_staging_is_invisible(tmp_path):
 def test_gc_keeps_last_k_latest_and_versions_in_use(tmp_path):
     layout = make_layout(tmp_path)
     for v in range(1, 7):
-        _publish(layout, v)
+        publish_version(layout, v)
     w = heartbeats.worker_status(layout, "w0", slot=0)
     w.update(state="running", weights_version=2)
     heartbeats.worker_status(layout, "w1", slot=1).update(state="stopped", weights_version=3)
@@ -74,7 +67,7 @@ def test_gc_keeps_last_k_latest_and_versions_in_use(tmp_path):
 
 def test_latest_and_manifest_are_typed_records(tmp_path):
     layout = make_layout(tmp_path)
-    v = _publish(layout, 1)
+    v = publish_version(layout, 1)
     assert weights.read_manifest(v.path).files["model.safetensors"].size == 100
     layout.latest_pointer.write_text(json.dumps({"version": "1", "path": "v000001", "step": 0}))
     with pytest.raises(RecordError, match=r"LATEST: field schema_version: missing"):
@@ -126,8 +119,9 @@ def test_piece_digests_of_files_and_of_streams_agree(tmp_path, size):
 def test_a_damaged_piece_in_the_middle_is_found_and_old_plain_manifests_still_verify(tmp_path, monkeypatch):
     layout = make_layout(tmp_path)
     monkeypatch.setattr(weights, "DIGEST_CHUNK", 4096)
+    monkeypatch.setattr(digests, "DIGEST_CHUNK", 4096)  # where the pieces are cut
     data = os.urandom(5 * 4096 + 17)
-    v = _publish(layout, 1, data)
+    v = publish_version(layout, 1, data)
     manifest = json.loads((v.path / "manifest.json").read_text())
     assert manifest["files"]["model.safetensors"]["chunk_bytes"] == 4096
     assert manifest["files"]["model.safetensors"]["sha256"] == _pieces_digest(data, 4096)
@@ -147,13 +141,13 @@ def test_a_damaged_piece_in_the_middle_is_found_and_old_plain_manifests_still_ve
 
 def test_a_damaged_file_is_refused_until_it_changes_and_is_not_rehashed_meanwhile(tmp_path, monkeypatch):
     layout = make_layout(tmp_path)
-    v = _publish(layout, 1, os.urandom(100))
+    v = publish_version(layout, 1, os.urandom(100))
     good = (v.path / "model.safetensors").read_bytes()
     (v.path / "model.safetensors").write_bytes(bytes(100))
     with pytest.raises(weights.WeightsError, match="sha256"):
         weights.verify_version(layout, 1)
     hashed = []
-    monkeypatch.setattr(weights, "_hash_piece", lambda p, *_: hashed.append(p) or b"0" * 32)
+    monkeypatch.setattr(digests, "_hash_piece", lambda p, *_: hashed.append(p) or b"0" * 32)
     with pytest.raises(weights.WeightsError, match="sha256"):
         weights.verify_version(layout, 1)  # a worker polling every second: nothing changed, nothing hashed
     assert hashed == []
@@ -178,7 +172,7 @@ def test_fsck_finds_empty_temporaries_anywhere_and_abandoned_staging(tmp_path):
     from buffer.fsck import fsck
 
     layout = make_layout(tmp_path)
-    _publish(layout, 1)
+    publish_version(layout, 1)
     weights.staging_dir(layout, 1)  # a publisher that died after the rename: its version is published
     old = weights.staging_dir(layout, 2)
     (old / "model.safetensors").write_bytes(b"half")

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 from buffer import heartbeats, weights
 
-from .buffer_helpers import make_layout
-
-
-def _publish(layout, version: int) -> None:
-    st = weights.staging_dir(layout, version)
-    (st / "model.safetensors").write_bytes(b"x" * 16)
-    weights.commit_version(layout, version, st, step=version, dtype="float32")
+from .buffer_helpers import make_layout, publish_version
 
 
 def test_keep_last_k_and_every_nth_across_publishes(tmp_path):
     layout = make_layout(tmp_path)
     deleted: list[int] = []
     for v in range(1, 13):
-        _publish(layout, v)
+        publish_version(layout, v)
         deleted += weights.garbage_collect(layout, keep=2, in_use=[], every=5)
         # after every publish: the two newest and the multiples of 5 published so far, nothing else
         assert weights.published_versions(layout) == sorted({v - 1, v} - {0} | {m for m in (5, 10) if m <= v})
@@ -31,7 +25,7 @@ def test_versions_of_live_workers_survive_retention(tmp_path):
     heartbeats.worker_status(layout, "w0", slot=0).update(state="running", weights_version=3)
     heartbeats.worker_status(layout, "w1", slot=1).update(state="stopped", weights_version=4)
     for v in range(1, 9):
-        _publish(layout, v)
+        publish_version(layout, v)
         weights.garbage_collect(layout, keep=1, in_use=heartbeats.versions_in_use(layout), every=4)
     # 3: a running worker holds it; 4 and 8: milestones; 8: newest; 4 is kept as a milestone, not for the stopped w1
     assert weights.published_versions(layout) == [3, 4, 8]
