@@ -78,9 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_worker.worker import USER_ERRORS, preflight
 
     try:
-        if (
-            args.once and not args.eval
-        ):  # the supervisor never stops by itself: --once would be silently ignored
+        # the supervisor never stops by itself: a --once meant for the evaluator would be silently ignored
+        if args.once and not args.eval:
             raise ConfigError(
                 "command line: --once is an option of --eval (the evaluator); the supervisor has none"
             )

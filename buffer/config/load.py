@@ -42,7 +42,7 @@ def _one_line(err: ValidationError, source: str, overrides: dict[str, str], over
         flag = next((k for k in overrides if k == key or k.startswith(key + ".")), None)
         if flag is not None:  # a misspelt flag: the file is not at fault
             return f"command line: --{flag}: {key} is not a config key{_accepted(e)}{more}"
-        return f"{source}: field {key}: not a config key{_accepted(e)}{more}"
+        return f"{source}: field {loc}: not a config key{_accepted(e)}{more}"
     if key in overrides:  # the bad value came from the command line, not from the file
         return f"{override_source}: --{key} {overrides[key]}: {e['msg']}{_accepted(e)}{more}"
     return f"{source}: field {loc}: {e['msg']}{_accepted(e)}{more}"
