@@ -181,11 +181,24 @@ def _stop_trainer(root: Path) -> None:
 
 
 def _worker_check(run: Run) -> Callable[[], Any]:
-    from buffer.weights import latest_version
+    """The judgement a worker makes before each batch (``RolloutWorker._loop``): the view, then the weights."""
     from rollout_worker.admission import Admission
+    from rollout_worker.following import WeightFollower
 
     adm = Admission(run.layout, "w0", "now", max_age_s=1e9, fallback_every_s=1.0)
-    return lambda: (adm.view(SHARD_SAMPLES, 0), latest_version(run.layout))
+    follower = WeightFollower(
+        run.layout, None, name="w0", poll_s=1.0, max_staleness=1, report=lambda **_: None, on_error=print
+    )  # type: ignore[arg-type]  # no engine: it serves the newest version already, nothing is loaded
+    rec = adm.view(0, 0).trainer
+    follower.version = follower.latest = rec.published_version if rec else 0
+
+    def check() -> Any:
+        view = adm.view(SHARD_SAMPLES, 0)
+        t = view.trainer
+        newest = t.published_version if view.live and t is not None and t.publishing is None else None
+        return follower.catch_up(view.coming // SAMPLES_PER_STEP, view.planned_step, t, newest)
+
+    return check
 
 
 def _fresh_worker(run: Run) -> Callable[[], Any]:

@@ -100,16 +100,22 @@ class WeightFollower:
         except (RecordError, OSError):
             return None
 
-    def catch_up(self, waiting_steps: int = 0, planned_step: int = 0, trainer: Any = _READ) -> bool:
+    def catch_up(
+        self, waiting_steps: int = 0, planned_step: int = 0, trainer: Any = _READ, newest: int | None = None
+    ) -> bool:
         """Poll (rate-limited); True when a batch may start, False while too stale even after a forced poll
-        (arguments as for ``too_stale``)."""
-        self.poll()
+        (arguments as for ``too_stale``; ``newest`` as for ``poll``)."""
+        self.poll(newest=newest)
         if self.too_stale(waiting_steps, planned_step, trainer):
-            self.poll(force=True)
+            self.poll(force=True, newest=newest)
         return not self.too_stale(waiting_steps, planned_step, trainer)
 
-    def poll(self, *, force: bool = False) -> None:
-        """Load the newest verified version newer than ours."""
+    def poll(self, *, force: bool = False, newest: int | None = None) -> None:
+        """Load the newest verified version newer than ours.  ``newest``: the newest version a live trainer's
+        record says is committed with none being written; LATEST is not read while it names nothing newer than
+        the last LATEST (a paused worker then reads one small file a check, not two)."""
+        if newest is not None and newest <= self.latest and self.latest not in self.bad:
+            return
         now = time.monotonic()
         if not force and now - self._last_poll < self.poll_s:
             return

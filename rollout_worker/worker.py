@@ -189,7 +189,11 @@ class RolloutWorker:
             # What the trainer will have without a batch of ours: the backlog, ours waiting, the others' batches.
             view = self.admission.view(self.publisher.published_samples, self.publisher.pending_samples)
             coming = view.coming
-            if not self.weights.catch_up(coming // step, view.planned_step, view.trainer):
+            rec = view.trainer
+            newest = (
+                rec.published_version if view.live and rec is not None and rec.publishing is None else None
+            )
+            if not self.weights.catch_up(coming // step, view.planned_step, rec, newest):
                 self._pause("stale", latest_version=self.weights.latest)
                 continue
             # Below a step's worth nothing pauses: whatever the bound, the trainer must be able to fill a step.
@@ -402,7 +406,14 @@ class RolloutWorker:
         rec = self.status.record
         if rec.get("state") != "paused" or rec.get("paused_reason") != reason:
             log.info("%s: paused (%s)", self.worker_id, reason)
-        self._set(state="paused", paused_reason=reason, in_flight=self.publisher.pending_samples, **fields)
+        fields = {
+            "state": "paused",
+            "paused_reason": reason,
+            "in_flight": self.publisher.pending_samples,
+            **fields,
+        }
+        if any(rec.get(k) != v for k, v in fields.items()):  # else the heartbeat keeps the record fresh
+            self._set(**fields)
         end = time.monotonic() + min(self.cfg.rollout.weights_poll_s, PAUSE_S)
         while time.monotonic() < end and not self.life.stop_requested:
             time.sleep(0.05)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from ._trainer_helpers import (
     kill_tree,
     make_run,
     metrics,
+    run,
     run_ok,
     start,
     tail,
@@ -272,3 +274,27 @@ def test_enospc_while_checkpointing_keeps_training_and_saves_once_space_is_back(
         kill_tree(proc)
     _no_traceback(log)
     assert latest_complete_checkpoint(layout) == 3 and latest_version(layout) == 3
+
+
+def test_a_step_whose_data_fails_the_trainer_is_replayed_without_it(
+    tmp_path: Path, tiny_model_tied: Path
+) -> None:
+    """Out of memory in step 2: the trainer exits 5 after marking the step poisoned; the restart replays step 2's
+    plan without its samples (they stay consumed: never trained) instead of failing on them again, then goes on."""
+    layout = _run(tmp_path / "run", tiny_model_tied, trainer__save_every="1")
+    for i in range(4):
+        _shard(layout, f"w{i}")
+    log = tmp_path / "t.log"
+    wrapper = Path(__file__).parent / "_oom_trainer.py"
+    rc = run([sys.executable, str(wrapper), "--run-dir", str(layout.root), "--max-steps", "3"], log)
+    assert rc == 5, tail(log)
+    assert "step 2: out of memory" in log.read_text() and "marked poisoned" in log.read_text()
+    poisoned = plans.read_poisoned(layout, 2)
+    assert poisoned is not None and "out of memory" in poisoned.reason
+    step2 = plans.valid_plans(layout)[2]
+    run_ok(command(1, *trainer_args(layout, "--max-steps", 2)), tmp_path / "again.log")
+    recs = {r["step"]: r for r in metrics(layout)}
+    assert recs[2]["replayed"] == 1 and recs[2]["samples"] == 0 and recs[2]["replay_missing"] == step2.samples
+    assert recs[3]["samples"] == STEP  # and the run goes on with fresh samples
+    planned_again = [p for s, p in plans.valid_plans(layout).items() if s > 2]
+    assert not {r for p in planned_again for r in p.rows(p.takes)} & set(step2.rows(step2.takes))

@@ -1,0 +1,47 @@
+"""The hot paths of the shared-storage channel cost the same at step 2,000 as at step 100 (bench/scale.py at small
+scale): a run built through the project's own writers, each path counted in a fresh process by strace (or, where
+strace is absent, by the bench's instrumented layer).  Counts of file-system calls, never timings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_CHECK_BOUND = (
+    10  # metadata calls (opens, stats, directory reads) of one worker check, whatever the run
+)
+
+
+@pytest.mark.slow
+def test_calls_per_check_are_bounded_and_do_not_grow_with_the_run(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "scale.py"), "--steps", "100", "2000", "--workers", "64"]
+    cmd += ["--repeat", "20", "--dir", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    small, large = rows["100"], rows["2000"]
+    assert large["files"]["shards"] > 15 * small["files"]["shards"]  # the run really is 20 times longer
+    assert large["worker_check"]["calls"] <= WORKER_CHECK_BOUND
+    for path in ("worker_check", "trainer_poll", "fresh_worker", "trainer_start"):
+        assert large[path]["calls"] == pytest.approx(small[path]["calls"], abs=0.5), (path, small, large)
+    # the one O(W) cost: the trainer reading each live worker's record once a refresh, whatever the run's length
+    assert large["feed_refresh"]["calls"] == pytest.approx(small["feed_refresh"]["calls"], abs=0.5)
+    assert large["feed_refresh"]["calls"] >= 64
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is what the count is checked against")
+def test_the_instrumented_count_agrees_with_strace_on_a_worker_check(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scale  # type: ignore[import-not-found]
+
+    root = scale.build(tmp_path / "run", 60, 4)
+    by_strace = scale.measure(root, "worker_check", 20, strace=True)["calls"]
+    by_python = scale.measure(root, "worker_check", 20, strace=False)["calls"]
+    assert 1 <= by_python <= by_strace <= WORKER_CHECK_BOUND
