@@ -12,6 +12,8 @@
 #SBATCH --gres=gpu:1
 #SBATCH --time=24:00:00
 #SBATCH --requeue
+# TERM to this script 5 minutes before the time limit: the step in progress is finished and checkpointed in time
+#SBATCH --signal=B:TERM@300
 #SBATCH --open-mode=append
 #SBATCH --output=shardrl-train-%j.out
 set -euo pipefail

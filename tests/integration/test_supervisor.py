@@ -65,9 +65,13 @@ def _run(root: Path, model: Path, *, run: dict[str, Any] | None = None, **sectio
         "drain_deadline_s": DRAIN_S,
         "restart_backoff_s": 0.5,
         "max_backlog_samples": 1_000_000,
+        # no trainer consumes here: with the default bound, three workers of three steps of backlog would pause as
+        # too stale, and these tests need them generating for their whole length
+        "max_staleness": 1000,
         "sampling": {"n": N, "max_response_length": 4},
         **sections.pop("rollout", {}),
     }
+    sections["trainer"] = {"max_staleness": 1000, **sections.get("trainer", {})}
     base_run = {
         "heartbeat_interval_s": 0.5,
         "control_poll_s": 0.3,
