@@ -53,6 +53,7 @@ SAMPLES_PER_STEP = 1024
 SHARD_SAMPLES = 64
 GROUP = 8
 BACKLOG_STEPS = 2
+LINKS_PER_FILE = 60_000  # ext4 allows 65,000 links to one inode
 METADATA = {"open", "openat", "stat", "lstat", "newfstatat", "statx", "fstat", "getdents64", "getdents"}
 
 
@@ -117,6 +118,7 @@ def build(root: Path, steps: int, workers: int) -> Path:
         start = time.time() - steps - shards.SEAL_GRACE_S - 3 * BUCKET_S
         consumption = Consumption(open_from=shards.bucket_at(start) - 1)
         seqs = [0] * workers
+        source, links = tpath, 0
         for step in range(1, steps + 1):
             bucket = shards.bucket_at(start + step)
             os.makedirs(layout.ready_bucket(bucket), exist_ok=True)
@@ -125,15 +127,28 @@ def build(root: Path, steps: int, workers: int) -> Path:
                 w = (step * per_step + k) % workers
                 name = shards.ShardName(bucket, f"w{w}", "h1st0ry", seqs[w], SHARD_SAMPLES, tname.crc).name
                 seqs[w] += 1
-                os.link(tpath, layout.ready_shard(name))
+                if links == LINKS_PER_FILE:  # a file system's limit on hard links to one file
+                    copy = tpath.with_name(f".copy-{step}-{tpath.name}")
+                    shutil.copyfile(tpath, copy)
+                    source, links = copy, 0
+                os.link(source, layout.ready_shard(name))
+                links += 1
                 names.append(name)
             plan = log.write_plan(step, names, [(n, r) for n in names for r in range(SHARD_SAMPLES)])
             consumption.add(plan)
             # as the trainer's planner does: every shard of an older bucket is consumed
             consumption.advance(bucket, lambda n: p.bucket if (p := shards.ShardName.parse(n)) else None)
             if step % plans.SUMMARY_EVERY == 0:
+                if step == steps - steps % plans.SUMMARY_EVERY:
+                    # as a trainer caught up on the history has it: every sealed, consumed bucket is behind
+                    consumption.advance(
+                        bucket + 1, lambda n: p.bucket if (p := shards.ShardName.parse(n)) else None
+                    )
                 log.write_summary(consumption)
-        os.unlink(tpath)
+        for leftover in tpath.parent.glob(f"*{tpath.name}"):
+            os.unlink(leftover)
+        with contextlib.suppress(OSError):  # the template's bucket, when nothing else was published there
+            tpath.parent.rmdir()
         for i in range(BACKLOG_STEPS * per_step):  # the backlog: real, unconsumed shards of now
             w = f"w{i % workers}"
             writer = shards.ShardWriter(layout, run.run_id, w)

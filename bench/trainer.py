@@ -26,6 +26,11 @@ counted as useful work.
 gradients and AdamW state are 16 bytes per parameter), or ``--cpu-offload`` (``trainer.cpu_offload``: parameters,
 gradients and optimizer state in host memory, the optimizer step on the CPU), or ``--lora R`` (a frozen bf16 base).
 
+``--sequence-parallel K`` runs the packed trainer paths with ``trainer.sequence_parallel = K`` (Ulysses: each
+micro-batch's tokens split over K ranks, which exchange attention heads); K must divide the ranks and the preset's
+attention heads.  The step's samples are the same (``--samples-per-rank`` x ranks), so tokens per rank and tokens/s
+compare with K = 1 directly.
+
 ``--lengths longtail`` measures what padding would cost instead: response lengths are drawn log-uniformly between
 ``--response-min`` and ``--response-max`` (32..4096 by default: as many sequences under 128 tokens as between 1024 and
 4096), after the same ``--prompt-len``, until the step holds as many real tokens as the uniform step
@@ -106,6 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--padded", action="store_true", help="uniform: time the trainer with trainer.packing = false"
     )
+    p.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=1,
+        metavar="K",
+        help="trainer.sequence_parallel of the packed trainer paths: each micro-batch split over K ranks (the "
+        "bare path stays data-parallel); the tokens per rank stay --samples-per-rank x --seq-len",
+    )
     args = p.parse_args(argv)
     n, seq, prompt = DEFAULT_SHAPE[args.preset]
     args.samples_per_rank = args.samples_per_rank or n
@@ -118,6 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompt-len must be between 1 and --seq-len - 1")
     if not 0 < args.response_min <= args.response_max:
         p.error("--response-min must be between 1 and --response-max")
+    if args.sequence_parallel < 1:
+        p.error("--sequence-parallel must be at least 1")
+    if args.sequence_parallel > 1 and args.padded:
+        p.error("--sequence-parallel needs packed micro-batches (drop --padded)")
     return args
 
 
@@ -360,6 +377,8 @@ def make_config(args: argparse.Namespace, packing: bool) -> Any:
         "param_dtype": args.param_dtype,
         "packing": packing,
         "cpu_offload": args.cpu_offload,
+        # sequence parallelism splits packed rows; the padded comparison path stays data-parallel
+        "sequence_parallel": args.sequence_parallel if packing else 1,
     }
     model = {"lora": {"rank": args.lora}}
     return ShardRLConfig.model_validate(
@@ -429,7 +448,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"preset {args.preset}: {params / 1e6:.1f}M params, {world} rank(s) on {device.type}, compute {dtype}, "
             f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}, "
-            f"cpu offload {'on' if args.cpu_offload else 'off'}, trainer LoRA rank {args.lora}; "
+            f"cpu offload {'on' if args.cpu_offload else 'off'}, trainer LoRA rank {args.lora}, "
+            f"sequence parallel {args.sequence_parallel}; "
             f"{args.samples_per_rank} x {args.seq_len} real tokens per rank ({args.prompt_len} prompt), "
             f"micro-batches of <= {args.microbatch_tokens} tokens; mean of {args.steps} steps after {args.warmup}",
             flush=True,

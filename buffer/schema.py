@@ -1,8 +1,15 @@
-"""Arrow schema of one experience sample (one row per sampled response) and its schema version."""
+"""Arrow schema of one experience sample (one row per sampled response) and its schema version.
+
+Sample columns version 2 adds the multi-turn columns (``MULTITURN_NAMES``, docs/DATA.md): optional, null on a
+single-turn row, so a single-turn shard reads as before and a shard written before them (no
+``shardrl.sample_version`` key: version 1) still validates.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import SCHEMA_VERSION
 
@@ -24,7 +31,16 @@ OPTIONAL_FIELDS: list[pa.Field] = [
     pa.field("response_text", pa.string()),
     pa.field("answer", pa.string()),
     pa.field("extra", pa.string()),  # JSON object
+    # Multi-turn episodes (version 2).  ``response_ids`` is then every turn after the prompt back to back, the
+    # model's as the engine produced them and the environment's as they were appended, never re-tokenised.
+    pa.field("loss_mask", pa.list_(pa.int8())),  # per response token: 1 sampled by the model, 0 environment
+    pa.field("turn_lengths", pa.list_(pa.int32())),  # tokens of each turn, in order; they sum to the response
+    pa.field(
+        "turn_versions", pa.list_(pa.int64())
+    ),  # policy version of each model turn; -1 on environment turns
+    pa.field("episode", pa.string()),  # JSON object: turns, tool calls and errors, why it ended
 ]
+MULTITURN_NAMES = ["loss_mask", "turn_lengths", "turn_versions", "episode"]
 REQUIRED_NAMES = [f.name for f in REQUIRED_FIELDS]
 OPTIONAL_NAMES = [f.name for f in OPTIONAL_FIELDS]
 SAMPLE_SCHEMA = pa.schema(REQUIRED_FIELDS + OPTIONAL_FIELDS)
@@ -34,6 +50,8 @@ META_SCHEMA_VERSION = b"shardrl.schema_version"
 META_RUN_ID = b"shardrl.run_id"
 META_WORKER_ID = b"shardrl.worker_id"
 META_SEQ = b"shardrl.seq"
+META_SAMPLE_VERSION = b"shardrl.sample_version"
+SAMPLE_VERSION = 2  # of the sample columns; the run layout's version is SCHEMA_VERSION
 
 
 def schema_with_metadata(run_id: str, worker_id: str, seq: int) -> pa.Schema:
@@ -43,6 +61,7 @@ def schema_with_metadata(run_id: str, worker_id: str, seq: int) -> pa.Schema:
             META_RUN_ID: run_id.encode(),
             META_WORKER_ID: worker_id.encode(),
             META_SEQ: str(seq).encode(),
+            META_SAMPLE_VERSION: str(SAMPLE_VERSION).encode(),
         }
     )
 
@@ -53,10 +72,66 @@ def schema_problem(schema: pa.Schema) -> str | None:
     version = meta.get(META_SCHEMA_VERSION)
     if version != str(SCHEMA_VERSION).encode():
         return f"schema version {version!r}, expected {SCHEMA_VERSION}"
+    sample_version = meta.get(META_SAMPLE_VERSION, b"1")
+    if sample_version not in {str(v).encode() for v in range(1, SAMPLE_VERSION + 1)}:
+        return f"sample version {sample_version!r}, expected 1 to {SAMPLE_VERSION}"
     for f in REQUIRED_FIELDS:
         idx = schema.get_field_index(f.name)
         if idx < 0:
             return f"required column {f.name!r} missing"
         if not schema.field(idx).type.equals(f.type):
             return f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}"
+    for f in OPTIONAL_FIELDS:
+        idx = schema.get_field_index(f.name)
+        if f.name in MULTITURN_NAMES and idx >= 0 and not schema.field(idx).type.equals(f.type):
+            return f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}"
     return None
+
+
+def multiturn_problem(t: pa.Table) -> str | None:
+    """Why the multi-turn columns of ``t`` (a table with the sample schema) do not describe its responses, or None.
+
+    A multi-turn row has ``loss_mask``, ``turn_lengths`` and ``turn_versions`` together; its turns (each of at least
+    one token) cover ``response_ids`` exactly; the mask is 1 on exactly the tokens of the model's turns (those with
+    a version >= 0) and 0 elsewhere; an environment token's behaviour logprob is 0.
+    """
+    if "loss_mask" not in t.column_names:
+        return None  # written before version 2: single-turn only
+    present = [pc.is_valid(t[c]) for c in ("loss_mask", "turn_lengths", "turn_versions")]
+    if not (
+        pc.all(pc.equal(present[0], present[1])).as_py() and pc.all(pc.equal(present[0], present[2])).as_py()
+    ):
+        return "loss_mask, turn_lengths and turn_versions must be set together"
+    multi = t.filter(present[0])
+    if multi.num_rows == 0:
+        return None
+    n_resp = pc.list_value_length(multi["response_ids"])
+    if not pc.all(pc.equal(pc.list_value_length(multi["loss_mask"]), n_resp)).as_py():
+        return "loss_mask and response_ids differ in length"
+    if not pc.all(
+        pc.equal(pc.list_value_length(multi["turn_versions"]), pc.list_value_length(multi["turn_lengths"]))
+    ).as_py():
+        return "turn_versions and turn_lengths differ in length"
+    lengths = _flat(multi["turn_lengths"], np.int64)
+    if lengths.size and lengths.min() < 1:
+        return "a turn of 0 tokens in turn_lengths"
+    turns = np.asarray(pc.list_value_length(multi["turn_lengths"]).to_numpy(zero_copy_only=False), np.int64)
+    if turns.min() < 1:
+        return "a multi-turn row without turns (turn_lengths empty)"
+    starts = np.concatenate([[0], np.cumsum(turns)[:-1]])
+    per_row = np.add.reduceat(lengths, starts)
+    if not np.array_equal(per_row, np.asarray(n_resp.to_numpy(zero_copy_only=False), np.int64)):
+        return "turn_lengths do not sum to the length of response_ids"
+    mask = _flat(multi["loss_mask"], np.int64)
+    expected = np.repeat((_flat(multi["turn_versions"], np.int64) >= 0).astype(np.int64), lengths)
+    if not np.array_equal(mask, expected):
+        return "loss_mask is not 1 on exactly the model's turns (turn_versions >= 0)"
+    logprobs = _flat(multi["response_logprobs"], np.float64)
+    if np.any(logprobs[mask == 0] != 0):
+        return "response_logprobs not 0 on an environment token (loss_mask 0)"
+    return None
+
+
+def _flat(col: pa.ChunkedArray, dtype: type) -> np.ndarray:
+    """Every value of a list column, rows back to back (each row's slice, whatever offset it starts at)."""
+    return np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False), dtype=dtype)

@@ -54,7 +54,14 @@ from .fsio import (
     write_json_atomic,
 )
 from .layout import BUCKET_S, RunLayout
-from .schema import META_RUN_ID, OPTIONAL_NAMES, REQUIRED_NAMES, schema_problem, schema_with_metadata
+from .schema import (
+    META_RUN_ID,
+    OPTIONAL_NAMES,
+    REQUIRED_NAMES,
+    multiturn_problem,
+    schema_problem,
+    schema_with_metadata,
+)
 
 SUFFIX = ".arrow"
 # Logprobs are log-softmax outputs: <= 0 up to float32 rounding.
@@ -425,7 +432,7 @@ def _value_problem(t: pa.Table, vocab_size: int | None) -> str | None:
         return "non-finite reward"
     if pc.count_distinct(t["sample_id"]).as_py() != t.num_rows:
         return "duplicate sample_id"
-    return None
+    return multiturn_problem(t)
 
 
 def validate_bytes(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from buffer.config import ShardRLConfig
 
+from .envs import check_tools
 from .prompts import Prompt, PromptError, has_chat_template, load_prompts, no_template_message
 from .rewards import check_reward_name, needs_answers
 
@@ -25,13 +26,15 @@ def require_answers(cfg: ShardRLConfig, prompts: list[Prompt]) -> None:
 
 
 def validate_prompts_file(cfg: ShardRLConfig) -> list[Prompt]:
-    """What ``shardrl init`` checks before it creates a run: the prompts load and render, and the reward can score.
+    """What ``shardrl init`` checks before it creates a run: the prompts load and render, the reward can score, and
+    every tool of ``env.tools`` imports.
 
     One-line ``PromptError`` (a ``ConfigError``) naming the file, the row and the field.  The chat template is checked
     on the tokenizer's files when the tokenizer directory already exists (the built-in tiny one is built later and
     has a template).
     """
     check_reward_name(cfg.reward.function)
+    check_tools(cfg)
     prompts = load_prompts(cfg.data)
     chat = next((p for p in prompts if p.messages is not None), None)
     tok_dir = Path(cfg.model.tokenizer or cfg.model.path)

@@ -49,6 +49,7 @@ from rollout_worker.admission import Admission
 from rollout_worker.checks import require_answers
 from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import EngineError, SamplingSpec, require_model_dir
+from rollout_worker.envs import ToolTask, check_tools
 from rollout_worker.following import WeightFollower
 from rollout_worker.lifecycle import EXIT_CRASH, EXIT_LEASE, EXIT_OK, EXIT_USER, Lifecycle, leave
 from rollout_worker.prompts import (
@@ -84,7 +85,7 @@ def max_model_len(run: Run) -> int:
 
 
 def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
-    """Every check a user can fail before any engine starts: model, prompts, reward.  One-line errors."""
+    """Every check a user can fail before any engine starts: model, prompts, reward, tools.  One-line errors."""
     cfg = run.config
     resolve_kind(cfg.rollout.engine)
     require_model_dir(run.model_dir, "model directory (model.path)")
@@ -92,6 +93,7 @@ def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
         require_model_dir(run.tokenizer_dir, "tokenizer directory (model.tokenizer)")
     prompts = load_prompts(cfg.data)
     scorer = make_scorer(cfg.reward)
+    check_tools(cfg)
     require_answers(cfg, prompts)
     if cfg.reward.reward_model and not (Path(cfg.reward.reward_model) / "config.json").is_file():
         raise RewardConfigError(
@@ -145,6 +147,7 @@ class RolloutWorker:
             may_publish=lambda: life.fenced is None,
         )
         self.engine: Any = None
+        self.tool_task: ToolTask | None = None
         self.weights: WeightFollower | None = None
         self.batches = 0
         self.sink = metrics.wandb_sinks(run, f"rollout-{worker_id}")  # JSONL is written by _metrics itself
@@ -244,6 +247,7 @@ class RolloutWorker:
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer_dir))
         self.stream = self._prompt_stream(prompts, tokenizer)
+        self.tool_task = ToolTask(cfg, tokenizer) if cfg.env.tools else None
         self.reward_model = None
         if cfg.reward.reward_model:
             from rollout_worker.rewards import RewardModel
@@ -314,12 +318,17 @@ class RolloutWorker:
             dropped_too_long=self.stream.skipped_too_long,
         )
         start = time.monotonic()
-        outputs = self.engine.generate([p.ids for p in prompts], self._sampling())
-        seconds = max(time.monotonic() - start, 1e-9)
-        scored = self._score(prompts, outputs, version)
+        if self.tool_task is not None:  # multi-turn: the episodes' own loop generates, runs tools and scores
+            scored, generated = self._episodes(prompts, version)
+            seconds = max(time.monotonic() - start, 1e-9)
+        else:
+            outputs = self.engine.generate([p.ids for p in prompts], self._sampling())
+            seconds = max(time.monotonic() - start, 1e-9)
+            scored = self._score(prompts, outputs, version)
+            generated = sum(len(c.response_ids) for out in outputs for c in out)
         self.publisher.add(scored.groups)
         self.batches += 1
-        tps = sum(len(c.response_ids) for out in outputs for c in out) / seconds
+        tps = generated / seconds
         self._count(scored, tps)
         self._metrics(
             samples=scored.samples,
@@ -362,6 +371,17 @@ class RolloutWorker:
             epoch=self.stream.epoch,
             model_scorer=None if self.reward_model is None else self.reward_model.score,
             model_weight=self.cfg.reward.reward_model_weight,
+        )
+
+    def _episodes(self, prompts: list[EncodedPrompt], version: int) -> tuple[ScoredBatch, int]:
+        assert self.tool_task is not None
+        return self.tool_task.run_batch(
+            self.engine.generate,
+            prompts,
+            self._sampling(),
+            lambda: version,  # weights change between batches only
+            group_prefix=f"{self.worker_id}.{self.incarnation}.{self.batches}",
+            epoch=self.stream.epoch,
         )
 
     def _count(self, scored: ScoredBatch, tokens_per_s: float) -> None:

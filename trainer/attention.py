@@ -40,10 +40,13 @@ PACKED_ATTENTION = "shardrl_packed_sdpa"
 
 class PackedRow(NamedTuple):
     """The sequences of a packed row: ``lens`` on the host (to split on without a device sync) and ``cu_seqlens``
-    [S+1] int32, their start offsets and the total, on the row's device (for the varlen kernel)."""
+    [S+1] int32, their start offsets and the total, on the row's device (for the varlen kernel).  ``sp``: the
+    sequence-parallel group (``trainer/sequence_parallel.py``) when this rank holds only a chunk of the row that
+    ``lens`` describes; None otherwise."""
 
     lens: list[int]
     cu_seqlens: torch.Tensor
+    sp: Any = None
 
 
 @functools.cache
@@ -152,16 +155,37 @@ def _packed_sdpa(
         raise ValueError(
             "packed micro-batches do not support sliding-window attention; set trainer.packing = false"
         )
+    if packed_row.sp is not None:  # this rank holds a chunk of the row: the group exchanges heads around it
+        out = packed_row.sp.attention(
+            _packed_row_attention, module, query, key, value, packed_row, dropout=dropout, scaling=scaling
+        )
+        return out, None
+    return _packed_row_attention(
+        module, query, key, value, packed_row, dropout=dropout, scaling=scaling
+    ), None
+
+
+def _packed_row_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed_row: PackedRow,
+    *,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention within each sequence of a whole packed row: [1, heads, N, D] -> [1, N, heads, D]."""
     if query.shape[0] != 1 or sum(packed_row.lens) != query.shape[2]:
         raise ValueError(
             f"packed row of shape {tuple(query.shape)} does not hold sequences of {packed_row.lens}"
         )
     if len(set(packed_row.lens)) == 1:
-        return _causal_equal_lengths(module, query, key, value, len(packed_row.lens), dropout, scaling), None
+        return _causal_equal_lengths(module, query, key, value, len(packed_row.lens), dropout, scaling)
     out = _causal_varlen(query, key, value, packed_row, scaling) if dropout == 0.0 else None
     if out is None:
         out = _causal_per_sequence(module, query, key, value, packed_row.lens, dropout, scaling)
-    return out, None
+    return out
 
 
 def _padding_mask_only(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -202,6 +226,10 @@ def packing_kwargs(config: Any, position_ids: torch.Tensor | None, row: PackedRo
         raise ValueError("a packed row needs position_ids that restart at 0 for each sequence")
     if config._attn_implementation == PACKED_ATTENTION:
         return {"packed_row": row}
+    if row.sp is not None:
+        raise ValueError(
+            f"trainer.sequence_parallel needs the model on sdpa attention (it is {config._attn_implementation!r})"
+        )
     return {}  # transformers finds the boundaries in position_ids
 
 

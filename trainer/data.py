@@ -50,15 +50,31 @@ class Sample:
     advantage: float = 0.0
     shard: str = ""  # the shard and row it was read from: what a plan records
     row: int = -1
+    # Multi-turn samples: 1 on the response tokens the model sampled, 0 on the environment's (tool results, user
+    # turns), which are context only.  None: every response token is the model's.
+    loss_mask: list[int] | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
+    @property
+    def loss_tokens(self) -> int:
+        """Response tokens the losses are taken over."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
 
 def _samples(table: pa.Table, shard: str = "") -> list[Sample]:
     cols = {c: table.column(c).to_pylist() for c in COLUMNS}
-    return [Sample(**{c: cols[c][i] for c in COLUMNS}, shard=shard, row=i) for i in range(table.num_rows)]
+    masks = (
+        table.column("loss_mask").to_pylist()
+        if "loss_mask" in table.column_names
+        else [None] * table.num_rows
+    )
+    return [
+        Sample(**{c: cols[c][i] for c in COLUMNS}, shard=shard, row=i, loss_mask=masks[i])
+        for i in range(table.num_rows)
+    ]
 
 
 @dataclass
@@ -523,8 +539,10 @@ HOST_KEYS = frozenset({"packed_lens"})
 def collate(batch: list[Sample], pad_id: int, *, packed: bool = False) -> dict[str, Any]:
     """Right-padded tensors of one micro-batch, plus the packed row when ``packed``.
 
-    ``input_ids`` [B,T]; ``response_mask`` [B,T] marks positions whose token is a response token (the logprob at
-    position t is that of ``input_ids[:, t]``); ``behaviour_logp`` and ``advantages`` are aligned with it.
+    ``input_ids`` [B,T]; ``response_mask`` [B,T] marks positions whose token is a response token the model sampled
+    (the logprob at position t is that of ``input_ids[:, t]``; a multi-turn sample's environment tokens, loss mask 0,
+    are attended but not marked, so losses, KL, entropy and advantages never reach them); ``behaviour_logp`` and
+    ``advantages`` are aligned with it and 0 where it is.
 
     Packed, it adds the same tokens as one row without padding: ``packed_ids`` and ``packed_positions`` [1,N]
     (N real tokens; positions restart at 0 for each sequence), ``packed_index`` [N] (where each packed token sits in
@@ -545,9 +563,9 @@ def collate(batch: list[Sample], pad_id: int, *, packed: bool = False) -> dict[s
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attn[i, : p + r] = 1
-        mask[i, p : p + r] = 1.0
-        behaviour[i, p : p + r] = torch.tensor(s.response_logprobs)
-        adv[i, p : p + r] = s.advantage
+        mask[i, p : p + r] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
+        behaviour[i, p : p + r] = torch.tensor(s.response_logprobs) * mask[i, p : p + r]
+        adv[i, p : p + r] = s.advantage * mask[i, p : p + r]
         rewards[i] = s.reward
     out = {
         "input_ids": input_ids,

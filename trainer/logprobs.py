@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from trainer import sequence_parallel as seqpar
 from trainer.attention import PackedRow, pack, packed_row, packing_kwargs, unpack, use_packed_attention
 from trainer.sharding import reshard
 
@@ -121,6 +122,33 @@ def _lm_logprobs_and_entropy(
     )
 
 
+def _lm_shard_logprobs_and_entropy(
+    lm: Any, shard: seqpar.Shard, chunk: int, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) [1, N] of a whole packed row from this rank's chunk of it (``trainer/sequence_parallel.py``):
+    the chunk's hidden states score the tokens after them, and the group gathers the scores."""
+    out = lm.base_model(
+        input_ids=shard.ids,
+        position_ids=shard.positions,
+        use_cache=False,
+        **packing_kwargs(lm.config, shard.positions, shard.row),
+    )
+    # one more state after the chunk, so that the targets [1, C+1] line up; the last target is never wanted
+    hidden = F.pad(out.last_hidden_state, (0, 0, 0, 1))
+    logp, ent = head_logprobs_and_entropy(
+        hidden,
+        lm.get_output_embeddings(),
+        shard.target_ids,
+        shard.target_want,
+        chunk=chunk,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )
+    logp = seqpar.gather_scores(logp, shard)
+    # zeros without entropy: the same on every rank, no exchange needed
+    return logp, seqpar.gather_scores(ent, shard) if with_entropy else torch.zeros_like(logp)
+
+
 class Actor(nn.Module):
     """An HF causal LM (``self.lm``) whose forward returns (token logprobs, entropies); the root FSDP unit.
 
@@ -147,7 +175,10 @@ class Actor(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = True,
         packed: PackedRow | None = None,
+        shard: seqpar.Shard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if shard is not None:  # the inputs are the shard's; the others are not read
+            return _lm_shard_logprobs_and_entropy(self.lm, shard, chunk, temperature, with_entropy)
         return _lm_logprobs_and_entropy(
             self.lm,
             input_ids,
@@ -217,12 +248,17 @@ def batch_logprobs(
     chunk: int = 1024,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    sp: seqpar.SPGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs_and_entropy`` of a collated micro-batch (``trainer.data.collate``), packed or padded.
 
-    Returns ``(logp, entropy)`` [B, T] in the padded layout either way, 0 on padding and unwanted tokens.
+    Returns ``(logp, entropy)`` [B, T] in the padded layout either way, 0 on padding and unwanted tokens.  ``sp``:
+    the sequence-parallel group of a packed micro-batch, whose ranks each run a chunk of the row and all return the
+    whole row's outputs.
     """
     opts: dict[str, Any] = {"chunk": chunk, "temperature": temperature, "with_entropy": with_entropy}
+    if sp is not None and "packed_ids" in batch:
+        return _sharded_batch_logprobs(model, batch, sp, opts)
     if "packed_ids" not in batch:
         return token_logprobs_and_entropy(
             model, batch["input_ids"], batch["attention_mask"], None, batch["response_mask"], **opts
@@ -236,4 +272,23 @@ def batch_logprobs(
         packed=packed_row(batch),
         **opts,
     )
+    return unpack(logp, batch), unpack(ent, batch)
+
+
+def _sharded_batch_logprobs(
+    model: nn.Module, batch: dict[str, torch.Tensor], sp: seqpar.SPGroup, opts: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shard = seqpar.split(
+        batch["packed_ids"],
+        batch["packed_positions"],
+        pack(batch["response_mask"], batch),
+        packed_row(batch),
+        sp,
+    )
+    if isinstance(model, Actor):
+        logp, ent = model(shard.ids, shard=shard, **opts)
+        if not torch.is_grad_enabled():
+            reshard(model)  # no backward will free the root's gathered weights
+    else:
+        logp, ent = _lm_shard_logprobs_and_entropy(model, shard, **opts)
     return unpack(logp, batch), unpack(ent, batch)

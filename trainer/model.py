@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import sequence_parallel as seqpar
 from trainer.attention import (
     PACKED_ATTENTION,
     PackedRow,
@@ -119,7 +120,18 @@ class Critic(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         packed: PackedRow | None = None,
+        shard: seqpar.Shard | None = None,
     ) -> torch.Tensor:
+        if shard is not None:  # this rank's chunk of a packed row; the other inputs are not read
+            h = self.base(
+                input_ids=shard.ids,
+                position_ids=shard.positions,
+                use_cache=False,
+                **packing_kwargs(self.base.config, shard.positions, shard.row),
+            ).last_hidden_state
+            # gathered before the shift below, which crosses chunk boundaries
+            v = seqpar.gather_positions(self.value_head(h).squeeze(-1).float(), shard)
+            return F.pad(v[:, :-1], (1, 0)).masked_fill(shard.positions_full == 0, 0.0)
         h = self.base(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -140,19 +152,28 @@ class Critic(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         packed: PackedRow | None = None,
+        shard: seqpar.Shard | None = None,
     ) -> torch.Tensor:
         """[B, T] fp32 values (see ``forward``); with FSDP call this, not ``self.base``, so the hooks run."""
-        out = self(input_ids, attention_mask, position_ids, packed)
+        out = self(input_ids, attention_mask, position_ids, packed, shard)
         if not torch.is_grad_enabled():
             reshard(self)
         return out
 
 
-def batch_values(critic: Critic, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def batch_values(
+    critic: Critic, batch: dict[str, torch.Tensor], sp: seqpar.SPGroup | None = None
+) -> torch.Tensor:
     """The critic's values of a collated micro-batch, packed or padded: [B, T] in the padded layout, 0 on padding
-    when packed (with or without grad)."""
+    when packed (with or without grad).  ``sp``: the sequence-parallel group of a packed micro-batch (every rank
+    returns the whole micro-batch's values)."""
     if "packed_ids" not in batch:
         return critic.values(batch["input_ids"], batch["attention_mask"])
+    if sp is not None:
+        # the critic keeps a value at every position: ``want`` is not read
+        want = pack(batch["response_mask"], batch)
+        shard = seqpar.split(batch["packed_ids"], batch["packed_positions"], want, packed_row(batch), sp)
+        return unpack(critic.values(shard.ids, shard=shard), batch)
     v = critic.values(batch["packed_ids"], None, batch["packed_positions"], packed_row(batch))
     return unpack(v, batch)
 

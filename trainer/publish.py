@@ -36,11 +36,8 @@ every rank publish in full.  Adapter and merged LoRA versions are always full.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import struct
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -50,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from buffer import deltas, weights
+from buffer import deltas
 from buffer.config import AdapterConfig
 from buffer.layout import RunLayout
 from buffer.plans import FencedError
@@ -58,20 +55,9 @@ from buffer.weights import WeightsError, base_model_hash, commit_version, stagin
 from trainer import dist as tdist
 from trainer import lora as tlora
 from trainer.model import hf_module, reshard
+from trainer.st_files import as_bytes, host_buffer, safetensors_header, write_rank_file
 
 PUBLISH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 # Name components added by wrappers around HF modules (activation checkpointing, FSDP1, torch.compile).
 _WRAPPER_PARTS = {"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"}
 # Files of a source model directory that are not copied: the weights (we write our own), their index and config.
@@ -79,9 +65,6 @@ _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpa
 _SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
 INDEX = "model.safetensors.index.json"
 ADAPTER_DIR = "adapter"  # the adapter inside a merged full version
-_WRITE_BLOCK = 64 << 20  # bytes per write() call
-# The host buffer of the tensors a rank writes, kept across publishes: pinning memory is slow.
-_PINNED: list[torch.Tensor] = []
 
 
 @dataclass
@@ -245,70 +228,13 @@ def _plan(items: list[_Item], world: int, bucket_bytes: int) -> list[list[_Item]
     return buckets
 
 
-def _as_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype).contiguous().reshape(-1).view(torch.uint8)
-
-
-def _header(items: list[_Item]) -> bytes:
-    """A safetensors header for ``items`` laid out back to back in this order (padded to 8 bytes)."""
-    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for it in items:
-        if it.dtype not in _ST_DTYPES:
-            raise WeightsError(f"publish: {it.name} has dtype {it.dtype}, which safetensors cannot store")
-        meta[it.name] = {
-            "dtype": _ST_DTYPES[it.dtype],
-            "shape": list(it.shape),
-            "data_offsets": [offset, offset + it.nbytes],
-        }
-        offset += it.nbytes
-    raw = json.dumps(meta, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-class _StreamWriter:
-    """Appends byte blocks to one file from a writer thread while other threads hash its pieces (the manifest's
-    digest, ``buffer.weights.StreamDigest``; all drop the GIL)."""
-
-    def __init__(self, path: Path):
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="publish-write")
-        self._hash = ThreadPoolExecutor(weights.hash_threads(weights.HASH_THREADS), "publish-hash")
-        self._digest = weights.StreamDigest(self._hash)
-        self._pending: list[Future[Any]] = []
-
-    def append(self, block: torch.Tensor | bytes) -> list[Future[Any]]:
-        """Queue ``block`` (bytes, or a contiguous uint8 CPU tensor kept unchanged until ``close``)."""
-        data = block.numpy().data if isinstance(block, torch.Tensor) else memoryview(block)
-        self._digest.update(data.cast("B"))
-        futures: list[Future[Any]] = []
-        for start in range(0, len(data), _WRITE_BLOCK):
-            futures.append(self._io.submit(self._file.write, data[start : start + _WRITE_BLOCK]))
-        self._pending.extend(futures)
-        return futures
-
-    def close(self) -> str:
-        """Wait for every block, fsync, close; return the file's digest."""
-        try:
-            for f in self._pending:
-                f.result()
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            return self._digest.hexdigest()
-        finally:
-            self._io.shutdown()
-            self._hash.shutdown()
-            self._file.close()
-
-
 def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) -> torch.Tensor:
     """One all_to_all: every rank sends its rows of each tensor to the tensor's owner.  Returns this rank's owned
     tensors of the bucket, whole and back to back in bucket order, as uint8 on ``device``."""
     by_dst: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for it in bucket:
         # to the device: with trainer.cpu_offload the shards live in host memory, the collective runs on the device
-        by_dst[it.owner].append(_as_bytes(_local(it), it.dtype).to(device, non_blocking=True))
+        by_dst[it.owner].append(as_bytes(_local(it), it.dtype).to(device, non_blocking=True))
     in_splits = [sum(b.numel() for b in blocks) for blocks in by_dst]
     mine = [it for it in bucket if it.owner == me]
     out_splits = [sum(it.rows[src] * it.row_bytes for it in mine) for src in range(world)]
@@ -329,15 +255,6 @@ def _exchange(bucket: list[_Item], me: int, world: int, device: torch.device) ->
     return torch.cat([pieces[src][j] for j in range(len(mine)) for src in range(world)])
 
 
-def _host_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
-    """A host buffer of at least ``nbytes``, reused across publishes (pinned on GPU: pageable copies are ~30x slower,
-    and pinning memory is slow).  Safe to reuse: a version is staged only once the previous one is written."""
-    pinned = device.type == "cuda"
-    if not _PINNED or _PINNED[0].numel() < nbytes or _PINNED[0].is_pinned() != pinned:
-        _PINNED[:] = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)]
-    return _PINNED[0][:nbytes]
-
-
 def _stage_rank_bytes(
     items: list[_Item], buckets: list[list[_Item]], device: torch.device
 ) -> tuple[list[_Item], torch.Tensor | None]:
@@ -349,7 +266,7 @@ def _stage_rank_bytes(
     me, world = tdist.rank(), tdist.world()
     loose = [it for it in items if not it.sharded]
     order = [it for it in loose if it.owner == me] + [it for b in buckets for it in b if it.owner == me]
-    host = _host_buffer(device, sum(it.nbytes for it in order)) if order else None
+    host = host_buffer(device, sum(it.nbytes for it in order)) if order else None
     offset = 0
 
     def put(block: torch.Tensor) -> None:
@@ -361,7 +278,7 @@ def _stage_rank_bytes(
     for it in loose:  # plain tensors (every rank holds them) and DTensors of another layout: rare and small
         full = _whole(it)
         if it.owner == me:
-            put(_as_bytes(full, it.dtype))
+            put(as_bytes(full, it.dtype))
     for bucket in buckets:
         block = _exchange(bucket, me, world, device)
         if block.numel():
@@ -369,15 +286,6 @@ def _stage_rank_bytes(
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the copies into pinned memory are asynchronous
     return order, host
-
-
-def _write_rank_file(path: Path, header: bytes, host: torch.Tensor | None) -> str:
-    """Stream ``header`` and ``host`` into ``path`` (fsynced); the file's digest (the manifest's form)."""
-    writer = _StreamWriter(path)
-    writer.append(header)
-    if host is not None and host.numel():
-        writer.append(host)
-    return writer.close()
 
 
 def _fresh_staging(layout: RunLayout, version: int) -> Path:
@@ -527,7 +435,10 @@ def stage_weights(
             buckets = _plan(items, world, bucket_bytes)
             order, staged.host = _stage_rank_bytes(items, buckets, device)
             if order:
-                staged.rank_file, staged.header = staging / shard_file_name(me, world), _header(order)
+                staged.rank_file, staged.header = (
+                    staging / shard_file_name(me, world),
+                    safetensors_header(order),
+                )
             staged.index = _index(items, world) if me == 0 else None
             staged.keep_base = keep_base and lora is None
             if delta_base is not None and lora is None:
@@ -637,7 +548,7 @@ def write_staged(
         if staged.rank_file is not None and staged.delta_base is not None:
             sha = _write_rank_delta(staged)
         elif staged.rank_file is not None:
-            sha = _write_rank_file(staged.rank_file, staged.header, staged.host)
+            sha = write_rank_file(staged.rank_file, staged.header, staged.host)
         if tdist.is_main():
             _write_rank0_files(staged)
     except Exception as e:  # any rank's failure must reach rank 0's decision, or the ranks would part ways

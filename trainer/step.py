@@ -14,6 +14,11 @@ sample (from the rewards of the sample's group) and need none of it.  After the 
 (``algorithm.kl_target``) moves towards the target by the step's measured KL; ``Models.state`` carries it through
 checkpoints.
 
+With ``trainer.sequence_parallel = K`` > 1 the K consecutive ranks of a group take the same share and each runs a
+chunk of every packed micro-batch (``trainer/sequence_parallel.py``); every rank of a group then holds the group's
+whole outputs and losses, so sums over all ranks (counts, metrics) count each group K times and are divided by K,
+while the gradients, partial on each rank of a group, are summed over all ranks as they are at K = 1.
+
 Called by ``trainer/loop.py`` (and ``bench/trainer.py``) on every rank with the same samples.
 """
 
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from buffer.config import ShardRLConfig
 from trainer import dist as tdist
 from trainer import ppo
+from trainer import sequence_parallel as seqpar
 from trainer.data import Sample, assign_to_ranks, batch_to, collate, microbatches, split_updates
 from trainer.logprobs import batch_logprobs
 from trainer.model import batch_values
@@ -110,8 +116,9 @@ class _Metrics:
     """Token-weighted sums of per-micro-batch metrics, kept on the device (reading one would stall the stream
     between micro-batches) and reduced over ranks in one collective at the end of the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: int = 1) -> None:
         self.sums: dict[str, torch.Tensor] = {}
+        self.copies = copies  # ranks that hold the same metrics (a sequence-parallel group)
 
     def add(self, m: dict[str, torch.Tensor], weight: float) -> None:
         for k, v in m.items():
@@ -123,7 +130,10 @@ class _Metrics:
         if not keys:
             return {}
         t = torch.stack([self.sums[k].to(tdist.current_device()) for k in keys])
-        return dict(zip(keys, tdist.all_reduce_sum(t).tolist(), strict=True))
+        t = tdist.all_reduce_sum(t)
+        if self.copies > 1:
+            t = t / self.copies
+        return dict(zip(keys, t.tolist(), strict=True))
 
 
 def group_sample_advantages(cfg: ShardRLConfig, samples: list[Sample]) -> None:
@@ -166,23 +176,37 @@ def _batch(mb: list[Sample], pad_id: int, device: torch.device, like: Sample, pa
     return batch_to(b, device)
 
 
-def _counts(mine: list[Sample]) -> tuple[float, float]:
-    local = [float(sum(len(s.response_ids) for s in mine)), float(sum(1 for s in mine if s.response_ids))]
+def _counts(mine: list[Sample], copies: int = 1) -> tuple[float, float]:
+    # tokens the loss is taken over: a multi-turn sample's environment tokens are masked out (``Sample.loss_tokens``)
+    local = [float(sum(s.loss_tokens for s in mine)), float(sum(1 for s in mine if s.loss_tokens))]
     total = tdist.all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=tdist.current_device()))
+    if copies > 1:  # every rank of a sequence-parallel group holds the same share
+        total = total / copies
     return max(float(total[0]), 1.0), max(float(total[1]), 1.0)
+
+
+def _sp(cfg: ShardRLConfig) -> seqpar.SPGroup | None:
+    """The sequence-parallel group (created by ``train_step``'s first call on every rank, cached after)."""
+    return seqpar.group(cfg.trainer.sequence_parallel)
+
+
+def _data_parallel(cfg: ShardRLConfig) -> tuple[int, int]:
+    sp = _sp(cfg)
+    return sp.data_parallel() if sp is not None else (tdist.world(), tdist.rank())
 
 
 def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[MiniBatch]:
     """This rank's share of every update of the step, as device tensors."""
     t, device = cfg.trainer, tdist.current_device()
+    world, rank = _data_parallel(cfg)
     out = []
     for part in split_updates(samples, t.updates_per_step):
-        mine = assign_to_ranks(part, tdist.world())[tdist.rank()]
+        mine = assign_to_ranks(part, world)[rank]
         mbs = _padded_microbatches(mine, t.max_tokens_per_microbatch, t.packing)
         shortest = min(samples, key=lambda s: s.length)  # the stand-in of empty micro-batches: cheapest
         batches = [_batch(mb, pad_id, device, shortest, t.packing) for mb in mbs]
         tokens = [sum(len(s.response_ids) for s in mb) for mb in mbs]
-        out.append(MiniBatch(mine, batches, tokens, _counts(mine)))
+        out.append(MiniBatch(mine, batches, tokens, _counts(mine, t.sequence_parallel)))
     return out
 
 
@@ -198,6 +222,7 @@ def _logp(
         chunk=cfg.trainer.logprob_chunk,
         temperature=sampling_temperature(cfg),
         with_entropy=with_entropy,
+        sp=_sp(cfg),
     )
 
 
@@ -232,7 +257,7 @@ def _ppo_targets(cfg: ShardRLConfig, models: Models, b: Batch) -> dict[str, torc
     a = cfg.algorithm
     assert a.name == "ppo"
     mask = b["response_mask"]
-    b["old_values"] = batch_values(models.critic, b)
+    b["old_values"] = batch_values(models.critic, b, _sp(cfg))
     m: dict[str, torch.Tensor] = {}
     rewards = _token_rewards(cfg, models, b, m)
     b["advantages"], b["returns"] = _gae(rewards, b["old_values"], mask, a.gamma, a.lam)
@@ -342,7 +367,7 @@ def _value_terms(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a, mask = cfg.algorithm, b["response_mask"]
     assert a.name == "ppo"
-    values = batch_values(models.critic, b)
+    values = batch_values(models.critic, b, _sp(cfg))
     loss, m = ppo.value_loss(values, b["old_values"], b["returns"], mask, a.value_clip, a.loss_agg, *counts)
     return a.value_coef * loss, m
 
@@ -407,9 +432,10 @@ def train_step(
 
     ``grad_hook(models)``, when given, runs after the backward of each update, before clipping (a debugging aid).
     """
+    _check_sequence_parallel(cfg, models)
     group_sample_advantages(cfg, samples)
     minis = minibatches(cfg, samples, pad_id)
-    metrics = _Metrics()
+    metrics = _Metrics(cfg.trainer.sequence_parallel)
     prepare(cfg, models, minis, metrics)
     norms: dict[str, list[float]] = {}
     for mini in minis:
@@ -435,6 +461,18 @@ def train_step(
     out.update(sample_metrics(samples, cfg.rollout.sampling.max_response_length))
     _adapt_kl(cfg, models, out, len(samples))
     return out
+
+
+def _check_sequence_parallel(cfg: ShardRLConfig, models: Models) -> None:
+    """Refuse a K the world size or a model's heads do not allow (one line), and create the group (a collective)."""
+    k = cfg.trainer.sequence_parallel
+    if k == 1:
+        return
+    seqpar.check_world(k, tdist.world())
+    seqpar.check_heads(k, models.actor.config)
+    if models.critic is not None:
+        seqpar.check_heads(k, models.critic.base.config)
+    _sp(cfg)
 
 
 def sample_metrics(samples: list[Sample], max_response_length: int) -> dict[str, float]:

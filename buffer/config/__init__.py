@@ -7,9 +7,9 @@ in ``PER_PROCESS_FIELDS`` may differ per process.  This package imports no torch
 
 Rules that span fields (``RULES``: a backlog bound that lets a step fill, whole groups per step, consistent
 staleness bounds, prompt + response within the engine's context, vLLM settings only for a vLLM engine, an adaptive-KL
-horizon of at least one step, no more initial workers than the maximum) run whenever
-a config is validated: at ``shardrl init`` and again when every process opens the run, so a config that would
-deadlock or silently waste samples never starts.  Each failure is one line naming the fields and the rule.
+horizon of at least one step, no more initial workers than the maximum, an episode's turn within its response budget)
+run whenever a config is validated: at ``shardrl init`` and again when every process opens the run, so a config that
+would deadlock or silently waste samples never starts.  Each failure is one line naming the fields and the rule.
 
 The modules: ``sections`` (one model per TOML table), ``rules`` (the whole config and its cross-field rules),
 ``overrides`` (dotted command-line overrides and the shared argparse helpers), ``load`` (TOML / config.json to a
@@ -43,6 +43,7 @@ from .sections import (
     AlgorithmConfig,
     AlgorithmName,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     GrpoConfig,
     LoraConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "AlgorithmName",
     "ConfigError",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "GrpoConfig",
     "LoraConfig",

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from .sections import (
     Algorithm,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     GrpoConfig,
     ModelConfig,
@@ -33,6 +34,7 @@ class ShardRLConfig(_Section):
     algorithm: Algorithm = Field(default_factory=GrpoConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ShardRLConfig:
@@ -154,6 +156,29 @@ def _rule_initial_workers(cfg: ShardRLConfig) -> str | None:
     return f"run.initial_workers ({r.initial_workers}) must not exceed run.max_workers ({r.max_workers})"
 
 
+def _rule_env_turn_fits_response(cfg: ShardRLConfig) -> str | None:
+    # Every turn of an episode, the model's and the environment's, counts against the response budget (the trainer
+    # refuses a longer sample), so a single turn longer than it could never be trained.
+    turn, response = cfg.env.max_turn_tokens, cfg.rollout.sampling.max_response_length
+    if turn is None or turn <= response:
+        return None
+    return (
+        f"env.max_turn_tokens ({turn}) must not exceed rollout.sampling.max_response_length ({response}): every "
+        "turn of an episode counts against the response length"
+    )
+
+
+def _rule_sequence_parallel_packs(cfg: ShardRLConfig) -> str | None:
+    # The split is of a packed row; the world size and the model's heads are checked when the trainer starts.
+    t = cfg.trainer
+    if t.sequence_parallel == 1 or t.packing:
+        return None
+    return (
+        f"trainer.sequence_parallel ({t.sequence_parallel}) needs trainer.packing = true: sequences are split "
+        "over ranks as chunks of a packed row"
+    )
+
+
 RULES = (
     _rule_engine_settings,
     _rule_initial_workers,
@@ -163,6 +188,8 @@ RULES = (
     _rule_context_fits,
     _rule_vllm_token_budget,
     _rule_kl_horizon_spans_a_step,
+    _rule_sequence_parallel_packs,
+    _rule_env_turn_fits_response,
 )
 
 # Settings a single process may change with a CLI flag without touching the run's contract.
@@ -178,6 +205,8 @@ PER_PROCESS_FIELDS = frozenset(
         "trainer.step_wait_timeout_s",
         "trainer.poll_interval_s",
         "trainer.tensorboard",
+        # a layout of the computation, not of the results: a run may resume at another K
+        "trainer.sequence_parallel",
         *(f"eval.{k}" for k in EvalConfig.model_fields),  # the evaluator is optional and may run with its own
     }
 )

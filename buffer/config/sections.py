@@ -549,6 +549,16 @@ class TrainerConfig(_Section):
     max_steps: int | None = Field(
         None, ge=1, description="Stop after N steps in this invocation (per process)."
     )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ulysses sequence parallelism: each packed micro-batch is split over this many consecutive "
+        "ranks, which exchange attention heads (all-to-all) so that each attends over the whole row; the ranks of "
+        "a group train on the same samples and FSDP still shards over every rank. Must divide the trainer's world "
+        "size and the model's attention heads (KV heads are repeated up to a multiple of it when it does not "
+        "divide them); needs trainer.packing. 1 = off.",
+    )
     activation_checkpointing: bool = Field(False, description="Recompute decoder layers in backward.")
     cpu_offload: bool = Field(
         False,
@@ -588,3 +598,48 @@ class EvalConfig(_Section):
         "none for a user function (then only the reward mean is recorded).",
     )
     poll_s: float = Field(2.0, gt=0, description="How often the evaluator looks for a new version.")
+
+
+class EnvConfig(_Section):
+    """Multi-turn episodes (rollout_worker/envs): tools the model may call and the limits of one episode; off while
+    `tools` is empty."""
+
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tool functions `package.module:function`, shown to the model through the chat template "
+        "(`tools=`) and called in a child process; a row's `tools` field may name a subset.",
+    )
+    max_turns: int = Field(
+        8,
+        ge=1,
+        le=1000,
+        description="Assistant turns per episode; one past it ends the episode as truncated.",
+    )
+    max_turn_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Generated tokens per assistant turn; default rollout.sampling.max_response_length.",
+    )
+    tool_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Wall time of one tool call; past it the call is killed and reported.",
+    )
+    tool_memory_mb: int = Field(
+        1024, ge=64, description="Address-space limit of the child process running one tool call (MiB)."
+    )
+    tool_output_chars: int = Field(
+        4096, ge=16, description="Characters of a tool's result kept; the rest is cut and the cut is said."
+    )
+
+    @field_validator("tools")
+    @classmethod
+    def _module_function(cls, v: list[str]) -> list[str]:
+        for name in v:
+            module, _, attr = name.partition(":")
+            if not module or not attr.isidentifier():
+                raise ValueError(f"{name!r} is not `package.module:function`")
+        if len(set(v)) != len(v):
+            raise ValueError(f"{v!r} names a tool twice")
+        return v
