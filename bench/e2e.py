@@ -469,7 +469,7 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
     if t0 is None or t1 is None or t1 <= t0:
         raise ModeFailed(f"no timestamps on the steps in {layout.metrics_file('trainer')}")
     trained = [s for s in steps if plans[s].samples]
-    consumed = sum(len(plans[s].sample_ids) for s in steps)
+    consumed = sum(plans[s].samples for s in steps)
     idle, idle_source = trainer_idle(metrics, steps, poller, t0, t1)
     workers = worker_figures(layout, poller, t0, t1)
     busy = (1 - idle) * (t1 - t0) / len(trained)

@@ -11,12 +11,23 @@ horizon of at least one step, no more initial workers than the maximum, an episo
 run whenever a config is validated: at ``shardrl init`` and again when every process opens the run, so a config that
 would deadlock or silently waste samples never starts.  Each failure is one line naming the fields and the rule.
 
-The modules: ``sections`` (one model per TOML table), ``rules`` (the whole config and its cross-field rules),
+The modules: ``sections`` (one model per TOML table), ``algorithms`` (the `algorithm` table, one model per algorithm), ``rules`` (the whole config and its cross-field rules),
 ``overrides`` (dotted command-line overrides and the shared argparse helpers), ``load`` (TOML / config.json to a
 validated config, errors as one line), ``reference`` (the README's generated reference), ``fields`` (model
 introspection the others share).
 """
 
+from .algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    AlgorithmConfig,
+    AlgorithmName,
+    GrpoConfig,
+    LossAgg,
+    PpoConfig,
+    ReinforcePPConfig,
+    RlooConfig,
+)
 from .fields import field_annotations, section_fields
 from .load import load_run_config, load_toml, validate
 from .overrides import (
@@ -36,23 +47,14 @@ from .overrides import (
 from .reference import reference_markdown
 from .rules import GROUP_ALGORITHMS, PER_PROCESS_FIELDS, RULES, ShardRLConfig
 from .sections import (
-    ALGORITHMS,
     LORA_TARGETS,
     AdapterConfig,
-    Algorithm,
-    AlgorithmConfig,
-    AlgorithmName,
     DataConfig,
     EnvConfig,
     EvalConfig,
-    GrpoConfig,
     LoraConfig,
-    LossAgg,
     ModelConfig,
-    PpoConfig,
-    ReinforcePPConfig,
     RewardConfig,
-    RlooConfig,
     RolloutConfig,
     RunConfig,
     SamplingConfig,

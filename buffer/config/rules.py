@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from .sections import (
+from .algorithms import (
     Algorithm,
+    GrpoConfig,
+)
+from .sections import (
     DataConfig,
     EnvConfig,
     EvalConfig,
-    GrpoConfig,
     ModelConfig,
     RewardConfig,
     RolloutConfig,

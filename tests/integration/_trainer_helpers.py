@@ -186,8 +186,20 @@ def adam_steps(tensors: dict[str, Any], part: str) -> set[int]:
 
 
 def safetensors_dir(path: Path) -> dict[str, Any]:
+    """The tensors of a model directory, or of a published weight version: a delta version is rebuilt first, by
+    the node-local cache the workers use (``buffer/localcache.py``), into a cache beside the run."""
     from safetensors.torch import load_file
 
+    from buffer.deltas import DELTA_RECORD
+    from buffer.localcache import NodeCache
+
+    if (path / DELTA_RECORD).exists():
+        layout = RunLayout.of(path.parents[1])
+        path = (
+            NodeCache(layout, layout.root.parent / f"{layout.root.name}-cache")
+            .materialise(int(path.name[1:]))
+            .path
+        )
     out: dict[str, Any] = {}
     for f in sorted(path.glob("*.safetensors")):
         out.update(load_file(str(f)))
