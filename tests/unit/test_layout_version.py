@@ -16,7 +16,9 @@ from buffer.run import read_run_json
 def test_an_older_run_layout_is_refused_with_what_to_do(tmp_path: Path) -> None:
     layout = RunLayout.of(tmp_path / "old")
     layout.create()
-    layout.run_json.write_text(json.dumps({"run_id": "r", "schema_version": SCHEMA_VERSION - 1, "created_at": 0}))
+    layout.run_json.write_text(
+        json.dumps({"run_id": "r", "schema_version": SCHEMA_VERSION - 1, "created_at": 0})
+    )
     with pytest.raises(ConfigError) as e:
         read_run_json(layout)
     line = str(e.value)
