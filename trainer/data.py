@@ -14,7 +14,6 @@ and ``trainer.model.batch_logprobs``/``batch_values`` scatter the packed outputs
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,8 +23,9 @@ import pyarrow as pa
 
 from buffer import plans, shards
 from buffer.layout import RunLayout
+from buffer.logs import logger
 
-log = logging.getLogger(__name__)
+log = logger("trainer")
 
 COLUMNS = [
     "sample_id",

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,13 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffer import heartbeats
+from buffer.logs import logger
 from buffer.plans import Plan, PlanLog, read_poisoned
 from buffer.records import LIVE_STATES
 from buffer.run import Run
 from trainer import dist as tdist
 from trainer.data import Limits, Planner, Sample
 
-log = logging.getLogger("trainer")
+log = logger("trainer")
 
 FIRST_POLL_S = 0.02
 ROUND_S = 1.0  # rank 0 polls alone this long between the collective checks (stop request, status record)

@@ -24,7 +24,6 @@ to stop.
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from buffer import heartbeats, weights
 from buffer.config import resolve_dtype
 from buffer.layout import RunLayout
+from buffer.logs import logger
 from buffer.plans import PlanLog
 from buffer.records import RecordError
 from buffer.run import Run
@@ -44,7 +44,7 @@ from trainer import dist as tdist
 from trainer.publish import PublishError, StagedVersion, stage_weights, write_staged
 from trainer.step import Models
 
-log = logging.getLogger("trainer")
+log = logger("trainer")
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 RETRY_FIRST_S = 1.0

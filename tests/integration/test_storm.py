@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from buffer.control import Leases
 from buffer.layout import RunLayout
 from buffer.records import Plan, create_record
 
+from ._common import wait_for
 from .storm import Audit, Storm, StormSpec, audit, make_storm_run, run_storm, supervisor_role
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,8 @@ def test_a_dead_supervisors_lease_above_the_desired_count_is_given_back(tmp_path
     live = supervisor_role(root, "node-a")
     live.start()
     try:
-        time.sleep(12.0)  # six lease timeouts: a live supervisor saw the lease stand still long enough
+        # the event itself: the lease given back, once the live supervisor has seen it stand still for its timeout
+        wait_for("the dead supervisor's lease given back", lambda: control.all_leases(layout) == {}, 60.0)
     finally:
         assert live.stop(30.0) == 0
     fsck = subprocess.run(
