@@ -147,8 +147,6 @@ def build(root: Path, steps: int, workers: int) -> Path:
                 log.write_summary(consumption)
         for leftover in tpath.parent.glob(f"*{tpath.name}"):
             os.unlink(leftover)
-        with contextlib.suppress(OSError):  # the template's bucket, when nothing else was published there
-            tpath.parent.rmdir()
         for i in range(BACKLOG_STEPS * per_step):  # the backlog: real, unconsumed shards of now
             w = f"w{i % workers}"
             writer = shards.ShardWriter(layout, run.run_id, w)
@@ -162,6 +160,8 @@ def build(root: Path, steps: int, workers: int) -> Path:
                 published_samples=SHARD_SAMPLES,
                 weights_version=steps,
             )
+        with contextlib.suppress(OSError):  # the template's bucket, when nothing else was published there
+            tpath.parent.rmdir()
         write_latest(layout, steps, steps)
         _write_trainer_record(run, log, steps)
     return layout.root

@@ -261,7 +261,12 @@ def _publish_once(layout: RunLayout, table: pa.Table, worker_id: str, incarnatio
         name = ShardName(bucket_at(time.time()), worker_id, incarnation, seq, table.num_rows, crc).name
         final = layout.ready_shard(name)
         _ensure_bucket(final.parent)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except FileNotFoundError:  # the bucket removed since this process made it (an empty one, by a person)
+            _made_buckets.discard(final.parent)
+            _ensure_bucket(final.parent)
+            os.rename(tmp, final)
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()

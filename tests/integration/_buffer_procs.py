@@ -35,7 +35,9 @@ def write_shards_forever(layout: RunLayout) -> None:
 
 def publish_forever(layout: RunLayout) -> None:
     """Publish weight versions of a few MiB each until killed."""
-    v = weights.latest_version(layout) + 1
+    # as the trainer does (``starting_version``): a version renamed in place before a kill, but never pointed at by
+    # LATEST, keeps its number
+    v = max([weights.latest_version(layout), *weights.published_versions(layout)]) + 1
     while True:
         st = weights.staging_dir(layout, v)
         for k in range(3):
