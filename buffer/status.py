@@ -55,6 +55,7 @@ class BacklogCounter:
         self.layout = layout
         self._consumption: plans.Consumption | None = None
         self._lister: shards.BucketLister | None = None
+        self.listed: list[shards.ShardName] = []  # the ready shards the last ``read`` counted
 
     def read(self, problems: list[str] | None = None) -> Backlog:
         """The backlog now.  A plan that is not a valid record raises RecordError, or, when ``problems`` is given,
@@ -68,7 +69,7 @@ class BacklogCounter:
             self._consumption.catch_up(self.layout, problems)
         c, lister = self._consumption, self._lister
         assert lister is not None
-        listed = lister.list()
+        listed = self.listed = lister.list()
         unconsumed = max(0, sum(s.rows for s in listed) - sum(c.consumed_in(s.name) for s in listed))
         return Backlog(
             c.consumed_samples + unconsumed,
@@ -148,7 +149,7 @@ def snapshot(layout: RunLayout) -> dict[str, Any]:
     try:
         counter = BacklogCounter(layout)
         counts = counter.read(problems)
-        ready = counter._lister.list() if counter._lister is not None else []
+        ready = counter.listed
         plan_step = counts.planned_step
     except RecordError as e:  # an epoch claim: fencing, hence the plan counts, cannot be decided
         problems.append(str(e))
