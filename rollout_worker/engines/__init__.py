@@ -10,9 +10,18 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from rollout_worker.engines.base import Completion, Engine, EngineError, SamplingSpec
+from rollout_worker.engines.base import Completion, Engine, EngineError, SamplingSpec, StreamingEngine
 
-__all__ = ["Completion", "Engine", "EngineError", "SamplingSpec", "make_engine", "resolve_kind"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineError",
+    "SamplingSpec",
+    "StreamingEngine",
+    "make_engine",
+    "make_streaming_engine",
+    "resolve_kind",
+]
 
 KINDS = ("auto", "vllm", "hf")
 
@@ -59,3 +68,42 @@ def make_engine(
     from rollout_worker.engines.hf import HFEngine
 
     return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, lora_rank=lora_rank)
+
+
+def make_streaming_engine(
+    kind: str,
+    model_dir: Path,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_model_len: int = 2048,
+    vllm_options: dict[str, Any] | None = None,
+    lora_rank: int = 0,
+    max_batch_size: int = 256,
+) -> StreamingEngine:
+    """The streaming engine of ``kind`` (``rollout.streaming``): requests one at a time, weights updated in flight.
+
+    ``max_batch_size``: the transformers engine's rows decoded together (vLLM schedules by its own
+    ``max_num_seqs``)."""
+    kind = resolve_kind(kind)
+    if kind == "vllm":
+        from rollout_worker.engines.vllm_stream import StreamingVllmEngine
+
+        return StreamingVllmEngine(
+            model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            options=vllm_options,
+            lora_rank=lora_rank,
+        )
+    from rollout_worker.engines.hf_stream import StreamingHFEngine
+
+    return StreamingHFEngine(
+        model_dir,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        lora_rank=lora_rank,
+        max_batch_size=max_batch_size,
+    )

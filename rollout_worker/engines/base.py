@@ -14,6 +14,7 @@ engine's base), an adapter for an engine without LoRA, and full weights without 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -36,6 +37,10 @@ class Completion:
     # Detokenized response without special tokens, cut before a stop string.  The ids keep the stop string's tokens
     # and the EOS token: training uses the ids.
     response_text: str
+    # The policy version that sampled each response token, when they are not all one version (a streaming engine
+    # that loaded new weights while this response was being generated); None: every token is the version the
+    # caller generated it with.
+    token_versions: list[int] | None = None
 
 
 @dataclass
@@ -52,6 +57,8 @@ class SamplingSpec:
     # seed + i * n + j; the transformers engine draws the whole call from one generator seeded with it).  Samples
     # of one call never share a stream, even for identical prompts.  None: the engine's own seeded stream.
     seed: int | None = None
+    # Keep sampling past an EOS token until max_tokens (benchmarks that need a chosen length distribution).
+    ignore_eos: bool = False
 
 
 class Engine(Protocol):
@@ -65,6 +72,82 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class StreamingEngine(Protocol):
+    """An engine that takes requests one at a time while others run (continuous batching) and loads new weights
+    without waiting for them (``rollout.streaming``).
+
+    Every request is one sample (``sampling.n`` is 1, its seed its own).  A request that runs across a weight
+    update continues on the new weights; its ``Completion.token_versions`` then says which version sampled each
+    token, and its logprobs are each token's under the weights that sampled it.
+    """
+
+    version: int  # the policy version new tokens are sampled with
+
+    def submit(self, key: str, prompt_ids: list[int], sampling: SamplingSpec) -> None:
+        """Start generating; the result comes back from ``finished`` under ``key``."""
+        ...
+
+    def finished(self, timeout: float) -> list[tuple[str, Completion]]:
+        """The requests done since the last call, waiting up to ``timeout`` seconds for the first."""
+        ...
+
+    def abort(self, key: str) -> None:
+        """Stop a request; it never comes back from ``finished``."""
+        ...
+
+    def update_weights(self, weights_dir: Path, version: int) -> None:
+        """Serve ``weights_dir`` as ``version`` from the next token on, keeping the requests in flight; returns
+        once new tokens come from the new weights (EngineError, weights unchanged, when the directory is bad)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    """Counters of a streaming engine since it started (seconds of wall time)."""
+
+    in_flight: int = 0  # requests submitted and not finished
+    busy_s: float = 0.0  # time with at least one request in flight and not paused for a weight update
+    paused_s: float = 0.0  # time paused for weight updates
+    updates: int = 0  # weight updates applied in flight
+    tokens: int = 0  # tokens generated
+
+
+class BusyClock:
+    """Wall time with requests in flight (``busy_s``) and paused for a weight update (``paused_s``); thread-safe
+    enough for counters read by a status thread (each change is one assignment under the caller's lock)."""
+
+    def __init__(self) -> None:
+        self._now = time.monotonic
+        self.busy_s = 0.0
+        self.paused_s = 0.0
+        self._since = self._now()
+        self._in_flight = 0
+        self._paused = False
+
+    def _tick(self) -> None:
+        now = self._now()
+        if self._paused:
+            self.paused_s += now - self._since
+        elif self._in_flight > 0:
+            self.busy_s += now - self._since
+        self._since = now
+
+    def set(self, *, in_flight: int | None = None, paused: bool | None = None) -> None:
+        self._tick()
+        if in_flight is not None:
+            self._in_flight = in_flight
+        if paused is not None:
+            self._paused = paused
+
+    def read(self) -> tuple[float, float]:
+        self._tick()
+        return self.busy_s, self.paused_s
 
 
 class EngineError(RuntimeError):

@@ -1,0 +1,294 @@
+"""Streaming generation with vLLM's async engine: requests join as others run, weights change under them.
+
+``vllm.v1.engine.async_llm.AsyncLLM`` runs on an event loop in a thread of its own; the worker's thread submits a
+request per sample and collects the finished ones from a queue, so the engine's continuous batching takes a new
+request as soon as a slot frees instead of waiting for a batch's longest response.
+
+A weight update in flight: ``pause_generation(mode="keep", clear_cache=True)`` freezes every request where it is
+and drops the KV and prefix caches, the worker extension reloads the safetensors in place, and
+``resume_generation`` lets the frozen requests go on.  Dropping the caches makes each frozen request prefill its
+prompt and the tokens it already has again, under the new weights, so everything sampled after the update comes
+from the new weights alone (no KV computed by the old ones): a response then carries the old version's tokens with
+the old logprobs and the new version's with the new ones, each token's logprob under the weights that drew it, and
+``token_versions`` says which is which.  Tokens are tagged with the version current when vLLM hands them over; the
+pause waits until no more tokens arrive before the version changes, so a token drawn before the pause is never
+tagged with the new version.
+
+LoRA adapters are not served here (an adapter update would need two adapters resident while old requests finish);
+a LoRA run uses the batch engine (``rollout.streaming = false``), refused in one line otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rollout_worker.engines.base import (
+    BusyClock,
+    Completion,
+    EngineError,
+    EngineStats,
+    SamplingSpec,
+    check_prompts,
+    plan_load,
+    require_model_dir,
+    safetensors_files,
+)
+from rollout_worker.engines.vllm import (
+    EngineDied,
+    _is_engine_death,
+    _stderr_since,
+    _stderr_size,
+    configure_cpu_env,
+    llm_kwargs,
+    root_cause,
+)
+
+T = TypeVar("T")
+SETTLE_S = (
+    0.005  # after a pause, tokens still arriving are the old weights': wait until none came for this long
+)
+START_TIMEOUT_S = 1800.0
+
+
+class StreamingVllmEngine:
+    """The ``StreamingEngine`` interface on ``AsyncLLM``."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        options: dict[str, Any] | None = None,
+        lora_rank: int = 0,
+    ) -> None:
+        if lora_rank > 0:
+            raise EngineError(
+                "rollout.streaming: LoRA adapters are served by the batch engine only; "
+                "set rollout.streaming = false or model.lora.rank = 0"
+            )
+        model_dir = require_model_dir(Path(model_dir))
+        options = dict(options or {})
+        configure_cpu_env(options)
+        from vllm.platforms import current_platform
+
+        self.model_dir = model_dir
+        self.kwargs = llm_kwargs(
+            model_dir,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            options=options,
+            cpu=current_platform.is_cpu(),
+        )
+        self.max_model_len = int(self.kwargs["max_model_len"])
+        self.version = 0
+        self.last_reload_s = 0.0
+        self._done: queue.Queue[tuple[str, Completion] | None] = queue.Queue()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._lock = threading.Lock()
+        self._clock = BusyClock()
+        self._arrived = 0  # tokens handed over so far (what a pause waits to stop moving)
+        self._updates = 0
+        self._error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="vllm-stream")
+        self._thread.start()
+        self.log_offset = _stderr_size()
+        try:
+            self.engine = self._call(self._build(), START_TIMEOUT_S)
+        except Exception as e:
+            self._stop_loop()
+            raise self._died(e) from e
+        self.tokenizer = self.engine.get_tokenizer()
+
+    async def _build(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self.kwargs))
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, key: str, prompt_ids: list[int], sampling: SamplingSpec) -> None:
+        check_prompts([prompt_ids], sampling, self.max_model_len)
+        self._raise_error()
+        params = self._params(sampling)
+        with self._lock:
+            if key in self._tasks:
+                raise ValueError(f"request {key!r} is already in flight")
+            self._clock.set(in_flight=len(self._tasks) + 1)
+            future = asyncio.run_coroutine_threadsafe(self._start(key, list(prompt_ids), params), self._loop)
+        future.result()  # the task is registered; the request runs on
+
+    async def _start(self, key: str, prompt_ids: list[int], params: Any) -> None:
+        self._tasks[key] = asyncio.get_running_loop().create_task(self._run(key, prompt_ids, params))
+
+    def _params(self, sampling: SamplingSpec) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=0,
+            ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def _run(self, key: str, prompt_ids: list[int], params: Any) -> None:
+        from vllm.inputs import TokensPrompt
+
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        text: list[str] = []
+        finish, by_string = "length", False
+        try:
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, key):
+                o = out.outputs[0]
+                new = list(o.token_ids)
+                version = self.version  # read as the tokens arrive: a pause settles before it changes
+                ids.extend(new)
+                logprobs.extend(float(o.logprobs[i][t].logprob) for i, t in enumerate(new))
+                versions.extend([version] * len(new))
+                text.append(o.text)
+                self._arrived += len(new)
+                if out.finished:
+                    finish = "length" if o.finish_reason == "length" else "stop"
+                    by_string = isinstance(o.stop_reason, str)
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # the engine died: every later call says why
+            self._error = self._died(e)
+            self._done.put(None)
+            return
+        finally:
+            with self._lock:
+                self._tasks.pop(key, None)
+                self._clock.set(in_flight=len(self._tasks))
+        self._done.put(
+            (
+                key,
+                Completion(
+                    prompt_ids=prompt_ids,
+                    response_ids=ids,
+                    response_logprobs=logprobs,
+                    finish_reason=finish,
+                    # vLLM holds back a trailing partial character; decoding the ids matches the batch engine
+                    response_text="".join(text)
+                    if by_string
+                    else self.tokenizer.decode(ids, skip_special_tokens=True),
+                    token_versions=versions if len(set(versions)) > 1 else None,
+                ),
+            )
+        )
+
+    def finished(self, timeout: float) -> list[tuple[str, Completion]]:
+        out: list[tuple[str, Completion]] = []
+        try:
+            item = self._done.get(timeout=max(timeout, 0.0))
+            while True:
+                if item is not None:
+                    out.append(item)
+                item = self._done.get_nowait()
+        except queue.Empty:
+            pass
+        self._raise_error()
+        return out
+
+    def abort(self, key: str) -> None:
+        self._call(self._abort(key))
+
+    async def _abort(self, key: str) -> None:
+        task = self._tasks.get(key)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(Exception):
+                await self.engine.abort(key)
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, weights_dir: Path, version: int) -> None:
+        plan = plan_load(Path(weights_dir).absolute(), lora_rank=0, base_sha256=None, base_dir=self.model_dir)
+        safetensors_files(plan.path)
+        self._raise_error()
+        start = time.perf_counter()
+        self._call(self._swap(plan.path, version))
+        self.last_reload_s = time.perf_counter() - start
+
+    async def _swap(self, weights_dir: Path, version: int) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=True)
+        self._clock.set(paused=True)
+        try:
+            await self._settle()
+            await self.engine.collective_rpc(
+                "shardrl_reload_weights", kwargs={"weights_path": str(weights_dir)}
+            )
+            self.version = version
+            self._updates += 1
+        finally:
+            await self.engine.resume_generation()
+            self._clock.set(paused=False)
+
+    async def _settle(self) -> None:
+        """Wait until no token has arrived for two settle periods: those still on their way are the old
+        weights'."""
+        quiet, seen = 0, self._arrived
+        while quiet < 2:
+            await asyncio.sleep(SETTLE_S)
+            quiet, seen = (quiet + 1, seen) if self._arrived == seen else (0, self._arrived)
+
+    # ------------------------------------------------------------------ state
+
+    def stats(self) -> EngineStats:
+        busy, paused = self._clock.read()
+        return EngineStats(
+            in_flight=len(self._tasks),
+            busy_s=busy,
+            paused_s=paused,
+            updates=self._updates,
+            tokens=self._arrived,
+        )
+
+    def _died(self, e: BaseException) -> BaseException:
+        if not _is_engine_death(e):
+            return e
+        cause = root_cause(_stderr_since(self.log_offset))
+        return e if cause is None else EngineDied(f"vLLM engine died: {cause}")
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                self._call(self._shutdown(engine), 60)
+        self._stop_loop()
+
+    async def _shutdown(self, engine: Any) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        engine.shutdown()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
