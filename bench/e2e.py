@@ -91,6 +91,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--response-length", type=int, default=None, help="max response tokens (default: demo.toml's)"
     )
+    p.add_argument(
+        "--lengths",
+        choices=["natural", "loguniform"],
+        default="natural",
+        help="rollout.sampling.lengths: loguniform draws each response's length between --min-response-length "
+        "and --response-length (a long-tailed mix)",
+    )
+    p.add_argument("--min-response-length", type=int, default=16)
+    p.add_argument(
+        "--engine-alone",
+        action="store_true",
+        help="also measure the streaming engine alone on the same prompts and lengths (bench/engine_alone.py): "
+        "the tokens/s limit the workers are judged against",
+    )
     p.add_argument("--samples-per-step", type=int, default=512, help="trainer.samples_per_step")
     p.add_argument("--workers", type=int, default=1, help="rollout workers under the one supervisor")
     p.add_argument("--trainer-device", default="cpu", help="cpu or cuda:K")
@@ -127,13 +141,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def parse_mode(token: str) -> tuple[str, int]:
+def parse_mode(token: str) -> tuple[str, int, bool]:
+    """(name, staleness bound, streaming): ``sync``, ``K`` (batch by batch, bound K) or ``sK`` (streaming workers,
+    rollout.streaming, bound K)."""
     token = token.strip()
     if token == "sync":
-        return "sync", 0
-    if token.isdigit() and int(token) >= 1:
-        return token, int(token)
-    raise ValueError(f"--modes: {token!r} is neither 'sync' nor a staleness bound >= 1")
+        return "sync", 0, False
+    streaming = token.startswith("s") and token[1:].isdigit()
+    bound = token[1:] if streaming else token
+    if bound.isdigit() and int(bound) >= 1:
+        return token, int(bound), streaming
+    raise ValueError(f"--modes: {token!r} is neither 'sync', a staleness bound K >= 1, nor sK (streaming)")
 
 
 def parse_set(item: str) -> tuple[str, str]:
@@ -197,6 +215,9 @@ def common_overrides(args: argparse.Namespace) -> dict[str, str]:
         if args.engine != "hf":  # an hf run has no vLLM section; the context is the prompt + response budget
             o["rollout.vllm.max_model_len"] = "null"
     o["trainer.samples_per_step"] = str(args.samples_per_step)
+    if args.lengths != "natural":
+        o["rollout.sampling.lengths"] = args.lengths
+        o["rollout.sampling.min_response_length"] = str(args.min_response_length)
     return o | args.overrides
 
 
@@ -209,8 +230,11 @@ def plan_shape(args: argparse.Namespace) -> Shape:
     return Shape(s, n, math.ceil(s / (args.workers * n)))
 
 
-def mode_overrides(args: argparse.Namespace, shape: Shape, staleness: int) -> dict[str, str]:
+def mode_overrides(
+    args: argparse.Namespace, shape: Shape, staleness: int, streaming: bool = False
+) -> dict[str, str]:
     mode = {
+        "rollout.streaming": str(streaming).lower(),
         "rollout.max_staleness": str(staleness),
         "trainer.max_staleness": str(staleness),
         "rollout.max_backlog_samples": str(shape.backlog(staleness)),
@@ -422,13 +446,17 @@ def worker_figures(layout: RunLayout, poller: Poller, t0: float, t1: float) -> d
             if state == "paused":
                 paused[reason or "other"] += 1
     polls = max(1, len(window) * max(1, len(ids)))
-    busy, batch_s = 0.0, []
+    busy, batch_s, tokens, engine_busy = 0.0, [], 0, []
     for path in sorted(layout.metrics.glob("rollout-*.jsonl")):
         for r in read_all(path):
             end, dur = stamp(r), r.get("batch_s")
             if end is not None and isinstance(dur, int | float) and overlap(end - dur, end, t0, t1) > 0:
                 busy += overlap(end - dur, end, t0, t1)
                 batch_s.append(float(dur))
+            if end is not None and t0 < end <= t1:
+                tokens += int(r.get("tokens") or 0)
+                if isinstance(r.get("engine_busy"), int | float):
+                    engine_busy.append(float(r["engine_busy"]))
     return {
         "workers_seen": ids,
         "worker_paused_frac": sum(paused.values()) / polls,
@@ -436,6 +464,10 @@ def worker_figures(layout: RunLayout, poller: Poller, t0: float, t1: float) -> d
         "worker_generating_frac": busy / ((t1 - t0) * max(1, len(ids))),
         "worker_batch_s_mean": sum(batch_s) / len(batch_s) if batch_s else None,
         "worker_batches": len(batch_s),
+        # response tokens scored per second per worker (what the workers turn out; engine_alone is the limit)
+        "worker_tokens_per_s": tokens / ((t1 - t0) * max(1, len(ids))),
+        # streaming workers: the engine's busy share of the time they were not paused (their metrics lines)
+        "engine_busy_frac": sum(engine_busy) / len(engine_busy) if engine_busy else None,
     }
 
 
@@ -511,8 +543,20 @@ def ratios(results: dict[str, dict[str, Any]], baseline: str = "samples_per_s") 
     if not sync:
         return {}
     return {
-        name: r["samples_per_s"] / sync for name, r in results.items() if name != "sync" and "error" not in r
+        name: r["samples_per_s"] / sync
+        for name, r in results.items()
+        if name != "sync" and "samples_per_s" in r
     }
+
+
+def streaming_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """samples/s of each streaming mode ``sK`` over the batch-by-batch mode ``K`` of the same bound."""
+    out = {}
+    for name, r in results.items():
+        batch = results.get(name[1:], {}) if name.startswith("s") and name[1:].isdigit() else {}
+        if "samples_per_s" in r and batch.get("samples_per_s"):
+            out[f"{name} vs {name[1:]}"] = r["samples_per_s"] / batch["samples_per_s"]
+    return out
 
 
 def pct(x: float | None) -> str:
@@ -526,6 +570,8 @@ def table(results: dict[str, dict[str, Any]], ratio: dict[str, float], vs_serial
     )
     rows = [head, "-" * len(head)]
     for name, r in results.items():
+        if name == "engine_alone":
+            continue
         if "error" in r:
             rows.append(f"{name:6} failed: {r['error']}")
             continue
@@ -539,6 +585,20 @@ def table(results: dict[str, dict[str, Any]], ratio: dict[str, float], vs_serial
             + " ".join(f"{k}:{v}" for k, v in r["staleness_hist"].items())
             + (f"   (paused: {by})" if by else "")
         )
+    for name, r in results.items():
+        if "worker_tokens_per_s" in r:
+            busy, alone = r.get("engine_busy_frac"), r.get("worker_tokens_vs_engine_alone")
+            rows.append(
+                f"{name}: worker output {r['worker_tokens_per_s']:.0f} tokens/s"
+                + ("" if alone is None else f" = {alone:.2f}x the engine alone")
+                + ("" if busy is None else f"; engine busy {pct(busy)} of unpaused time")
+            )
+    stream = streaming_ratios(results)
+    if stream:
+        rows.append("streaming over batch by batch: " + ", ".join(f"{k} {v:.2f}" for k, v in stream.items()))
+    alone = results.get("engine_alone")
+    if alone is not None:
+        rows.append(f"engine alone: {alone}")
     if vs_serial:
         rows.append(
             "samples/s over sync's serial estimate (training time + one worker batch per step): "
@@ -567,14 +627,17 @@ def settings(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
     }
 
 
-def measure_mode(args: argparse.Namespace, shape: Shape, root: Path, bound: int) -> dict[str, Any]:
+def measure_mode(
+    args: argparse.Namespace, shape: Shape, root: Path, bound: int, streaming: bool = False
+) -> dict[str, Any]:
     head = {
+        "streaming": streaming,
         "rollout_max_staleness": bound,
         "trainer_max_staleness": bound,
         "max_backlog_samples": shape.backlog(bound),
     }
     try:
-        layout, poller, wall = run_mode(args, root, mode_overrides(args, shape, bound))
+        layout, poller, wall = run_mode(args, root, mode_overrides(args, shape, bound, streaming))
         return {
             **head,
             "engine": engine_of(layout),
@@ -584,6 +647,44 @@ def measure_mode(args: argparse.Namespace, shape: Shape, root: Path, bound: int)
     except ModeFailed as e:
         print(f"e2e: {root.name}: {e}", file=sys.stderr)
         return {**head, "error": str(e).splitlines()[0]}
+
+
+def engine_alone(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
+    """The streaming engine by itself on the workers' device, prompts and lengths (``bench/engine_alone.py``)."""
+    cfg = load_toml(demo_config(), mode_overrides(args, shape, 1, True))
+    cmd = [
+        *python(),
+        str(Path(__file__).with_name("engine_alone.py")),
+        "--model",
+        args.model or str(cfg.model.path),
+        "--engine",
+        args.engine,
+        "--samples",
+        str(2 * shape.samples_per_step),
+        "--in-flight",
+        str(cfg.rollout.max_in_flight or shape.batch),
+        "--lengths",
+        args.lengths,
+        "--min-response-length",
+        str(args.min_response_length),
+        "--max-response-length",
+        str(cfg.rollout.sampling.max_response_length),
+        "--dtype",
+        cfg.model.dtype,
+    ]
+    gpus = args.worker_gpus.split(",")[0] if args.worker_gpus else ""
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(gpus), check=False)
+    if done.returncode != 0:
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def add_engine_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """Each mode's worker output tokens/s against the engine alone's."""
+    limit = results.get("engine_alone", {}).get("tokens_per_s")
+    for name, r in results.items():
+        if name != "engine_alone" and limit and isinstance(r.get("worker_tokens_per_s"), int | float):
+            r["worker_tokens_vs_engine_alone"] = r["worker_tokens_per_s"] / limit
 
 
 def build_shaped_model(name: str, out: Path) -> Path:
@@ -618,10 +719,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.shape is not None:
             args.model = str(build_shaped_model(args.shape, base / f"model-{args.shape}"))
-        for name, bound in args.mode_list:
+        for name, bound, streaming in args.mode_list:
             print(f"e2e: mode {name}: {args.steps} steps of {shape.samples_per_step} samples ...", flush=True)
-            results[name] = measure_mode(args, shape, base / f"run-{name}", bound)
+            results[name] = measure_mode(args, shape, base / f"run-{name}", bound, streaming)
             write_out(args, shape, results)  # what is measured so far survives an interrupted run
+        if args.engine_alone:
+            results["engine_alone"] = engine_alone(args, shape)
+            add_engine_ratios(results)
+            write_out(args, shape, results)
         print(table(results, ratios(results), ratios(results, "serial_estimate_samples_per_s")))
     except KeyboardInterrupt:
         print("e2e: interrupted", file=sys.stderr)
@@ -644,8 +749,9 @@ def write_out(args: argparse.Namespace, shape: Shape, results: dict[str, dict[st
         "settings": settings(args, shape),
         "modes": results,
         "ratio_vs_sync": ratio,
-        "ratio": next((ratio[n] for n, _ in args.mode_list if n in ratio), None),
+        "ratio": next((ratio[n] for n, _, _ in args.mode_list if n in ratio), None),
         "ratio_vs_serial_estimate": ratios(results, "serial_estimate_samples_per_s"),
+        "ratio_streaming_vs_batch": streaming_ratios(results),
     }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -187,6 +187,13 @@ class WorkerStatus(StatusRecord):
     dropped_reward_samples: int = 0
     first_reward_error: str | None = None  # why the first group dropped for its reward was dropped
     dropped_bad_logprob_groups: int = 0
+    # Streaming workers (rollout.streaming): samples scored 0.0 because their reward call timed out or crashed;
+    # requests in the engine; the engine's busy share of the time the worker was not paused; weight versions
+    # loaded under requests in flight.
+    reward_timeouts: int = 0
+    requests_in_flight: int | None = None
+    engine_busy: float | None = None
+    reloads_in_flight: int = 0
     errors: int = 0
     last_error: str | None = None
     gave_up: str | None = None

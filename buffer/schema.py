@@ -39,8 +39,12 @@ OPTIONAL_FIELDS: list[pa.Field] = [
         "turn_versions", pa.list_(pa.int64())
     ),  # policy version of each model turn; -1 on environment turns
     pa.field("episode", pa.string()),  # JSON object: turns, tool calls and errors, why it ended
+    # Version 3: the policy version that sampled each response token (-1 on an environment token), set only on a
+    # response generated across a weight update (streaming workers); null: every token is ``policy_version``.
+    pa.field("token_versions", pa.list_(pa.int64())),
 ]
 MULTITURN_NAMES = ["loss_mask", "turn_lengths", "turn_versions", "episode"]
+TYPED_OPTIONAL = [*MULTITURN_NAMES, "token_versions"]  # optional columns whose type is checked
 REQUIRED_NAMES = [f.name for f in REQUIRED_FIELDS]
 OPTIONAL_NAMES = [f.name for f in OPTIONAL_FIELDS]
 SAMPLE_SCHEMA = pa.schema(REQUIRED_FIELDS + OPTIONAL_FIELDS)
@@ -51,7 +55,7 @@ META_RUN_ID = b"shardrl.run_id"
 META_WORKER_ID = b"shardrl.worker_id"
 META_SEQ = b"shardrl.seq"
 META_SAMPLE_VERSION = b"shardrl.sample_version"
-SAMPLE_VERSION = 2  # of the sample columns; the run layout's version is SCHEMA_VERSION
+SAMPLE_VERSION = 3  # of the sample columns; the run layout's version is SCHEMA_VERSION
 
 
 def schema_with_metadata(run_id: str, worker_id: str, seq: int) -> pa.Schema:
@@ -83,7 +87,7 @@ def schema_problem(schema: pa.Schema) -> str | None:
             return f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}"
     for f in OPTIONAL_FIELDS:
         idx = schema.get_field_index(f.name)
-        if f.name in MULTITURN_NAMES and idx >= 0 and not schema.field(idx).type.equals(f.type):
+        if f.name in TYPED_OPTIONAL and idx >= 0 and not schema.field(idx).type.equals(f.type):
             return f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}"
     return None
 
@@ -129,6 +133,32 @@ def multiturn_problem(t: pa.Table) -> str | None:
     logprobs = _flat(multi["response_logprobs"], np.float64)
     if np.any(logprobs[mask == 0] != 0):
         return "response_logprobs not 0 on an environment token (loss_mask 0)"
+    return None
+
+
+def token_versions_problem(t: pa.Table) -> str | None:
+    """Why the ``token_versions`` of ``t`` do not describe its responses, or None: one per response token, -1 on
+    exactly the environment's tokens (``loss_mask`` 0), and the oldest model token's version is ``policy_version``
+    (what staleness is judged by)."""
+    if "token_versions" not in t.column_names:
+        return None
+    rows = t.filter(pc.is_valid(t["token_versions"]))
+    if rows.num_rows == 0:
+        return None
+    if not pc.all(
+        pc.equal(pc.list_value_length(rows["token_versions"]), pc.list_value_length(rows["response_ids"]))
+    ).as_py():
+        return "token_versions and response_ids differ in length"
+    versions = rows["token_versions"].to_pylist()
+    masks = rows["loss_mask"].to_pylist() if "loss_mask" in rows.column_names else [None] * rows.num_rows
+    for vs, mask, oldest in zip(versions, masks, rows["policy_version"].to_pylist(), strict=True):
+        model = [v for i, v in enumerate(vs) if mask is None or mask[i]]
+        if mask is not None and any((v < 0) != (not m) for v, m in zip(vs, mask, strict=True)):
+            return "token_versions not -1 on exactly the environment's tokens (loss_mask 0)"
+        if mask is None and any(v < 0 for v in vs):
+            return "a negative token version on a single-turn row"
+        if model and min(model) != oldest:
+            return f"policy_version {oldest} is not the oldest token version {min(model)}"
     return None
 
 

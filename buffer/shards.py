@@ -61,6 +61,7 @@ from .schema import (
     multiturn_problem,
     schema_problem,
     schema_with_metadata,
+    token_versions_problem,
 )
 
 SUFFIX = ".arrow"
@@ -437,7 +438,7 @@ def _value_problem(t: pa.Table, vocab_size: int | None) -> str | None:
         return "non-finite reward"
     if pc.count_distinct(t["sample_id"]).as_py() != t.num_rows:
         return "duplicate sample_id"
-    return multiturn_problem(t)
+    return multiturn_problem(t) or token_versions_problem(t)
 
 
 def validate_bytes(

@@ -20,7 +20,7 @@ from buffer.layout import RunLayout
 from buffer.localcache import NodeCache
 from buffer.records import RecordError, TrainerStatus
 from buffer.weights import WeightsError, latest_version, published_versions
-from rollout_worker.engines.base import Engine, EngineError
+from rollout_worker.engines.base import Engine, EngineError, StreamingEngine
 
 log = logging.getLogger("shardrl.rollout")
 
@@ -41,7 +41,7 @@ class WeightFollower:
     def __init__(
         self,
         layout: RunLayout,
-        engine: Engine,
+        engine: Engine | StreamingEngine,
         *,
         name: str,
         poll_s: float,
@@ -141,7 +141,11 @@ class WeightFollower:
             local_s = time.monotonic() - started
             self.report(state="reloading")
             start = time.monotonic()
-            self.engine.load_weights(wv.path)
+            engine: Any = self.engine
+            if hasattr(engine, "update_weights"):  # a streaming engine keeps its requests going
+                engine.update_weights(wv.path, version)
+            else:
+                engine.load_weights(wv.path)
         except (WeightsError, EngineError) as e:
             self._skip(version, e)
             return False

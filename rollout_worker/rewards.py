@@ -20,6 +20,9 @@ drops the group and counts it, because dropping one sample of a GRPO group would
 unknown name is one ``RewardConfigError`` line, at ``shardrl init`` for registered names and at worker start for user
 functions.
 
+``scorepool.ScorePool`` runs the same per-group code (``group_items``, ``to_score``, ``score_items``, ``checked``) in
+child processes, so that a slow, hanging or crashing function costs its samples, not the worker.
+
 ``reward.reward_model`` (a HF sequence-classification directory with one output) adds its score of prompt + response,
 times ``reward.reward_model_weight``; it runs on the worker's device.  Only that class imports torch, when built, and
 ``math_answer`` imports math-verify (sympy) on its first call.
@@ -262,11 +265,16 @@ def resolve_reward(name: str) -> RewardFunction:
     return RewardFunction(name, fn, _form(fn))
 
 
+def _raised(e: Exception) -> str:
+    # the line goes into the worker's status record and log: an exception's own newlines must not split it
+    return " ".join(f"reward function raised {type(e).__name__}: {e}".split())
+
+
 def _finite(value: Any, response: str) -> float:
     try:
         x = float(value)
     except (TypeError, ValueError) as e:
-        raise RewardError(f"reward function raised {type(e).__name__}: {e}") from e
+        raise RewardError(_raised(e)) from e
     if not math.isfinite(x):
         raise RewardError(f"reward function returned {x} for {response!r:.60}")
     return x
@@ -282,7 +290,7 @@ def score_group(fn: RewardFn, prompt: str, responses: list[str], answer: str | N
         try:
             value = fn(prompt, response, answer)
         except Exception as e:
-            raise RewardError(f"reward function raised {type(e).__name__}: {e}") from e
+            raise RewardError(_raised(e)) from e
         out.append(_finite(value, response))
     return out
 
@@ -292,14 +300,22 @@ def score_group(fn: RewardFn, prompt: str, responses: list[str], answer: str | N
 
 @dataclass(frozen=True)
 class GroupRewards:
-    """The rewards of one group, or why the group failed (then ``rewards`` is None)."""
+    """The rewards of one group, or why the group failed (then ``rewards`` is None).
+
+    ``timed_out`` and ``note`` are set by ``scorepool.ScorePool`` only: how many samples were scored 0.0 because the
+    reward function ran past its time limit or its process died, and one line about the first of them.
+    """
 
     rewards: list[float] | None
     error: str | None = None
+    timed_out: int = 0
+    note: str | None = None
 
 
 @dataclass(frozen=True)
-class _Item:
+class ScoreItem:
+    """One response as the reward function is given it; picklable, so the score pool sends it to its children."""
+
     response: str
     answer: str | None
     extra: Mapping[str, Any]
@@ -321,7 +337,7 @@ class Scorer:
         A failure fails its group; a batched function is called once for the whole batch, so its failure fails
         every group of the batch.
         """
-        groups = [_items(p, outs) for p, outs in zip(prompts, outputs, strict=True)]
+        groups = [group_items(p, outs) for p, outs in zip(prompts, outputs, strict=True)]
         if self.function.form != "batched":
             return [self._scored(g) for g in groups]
         flat = [item for g in groups for item in g]
@@ -331,40 +347,33 @@ class Scorer:
             return [GroupRewards(None, str(e)) for _ in groups]
         out, k = [], 0
         for g in groups:
-            out.append(_checked(g, values[k : k + len(g)]))
+            out.append(checked(g, values[k : k + len(g)]))
             k += len(g)
         return out
 
-    def _scored(self, group: list[_Item]) -> GroupRewards:
+    def _scored(self, group: list[ScoreItem]) -> GroupRewards:
         try:
-            return _checked(group, self._values(group))
+            return checked(group, self._values(group))
         except RewardError as e:
             return GroupRewards(None, str(e))
 
-    def _values(self, items: list[_Item]) -> list[Any]:
+    def _values(self, items: list[ScoreItem]) -> list[Any]:
         """Raw values: ``truncated_reward`` for cut-off responses when it is set, the function's for the rest."""
         values: list[Any] = [self.truncated_reward] * len(items)
-        scored = [i for i, it in enumerate(items) if self.truncated_reward is None or not it.sample.truncated]
+        scored = to_score(items, self.truncated_reward)
         if not scored:
             return values
-        try:
-            got = self.function.call(
-                [items[i].response for i in scored],
-                [items[i].answer for i in scored],
-                [dict(items[i].extra) for i in scored],
-                [items[i].sample for i in scored],
-            )
-        except Exception as e:
-            raise RewardError(f"reward function raised {type(e).__name__}: {e}") from e
+        got = call_function(self.function, [items[i] for i in scored])
         for i, v in zip(scored, got, strict=True):
             values[i] = v
         return values
 
 
-def _items(p: EncodedPrompt, outs: Sequence[Response]) -> list[_Item]:
+def group_items(p: EncodedPrompt, outs: Sequence[Response]) -> list[ScoreItem]:
+    """What the reward function is given of each response of one group."""
     q = p.prompt
     return [
-        _Item(
+        ScoreItem(
             o.response_text,
             q.answer,
             q.extra,
@@ -374,7 +383,34 @@ def _items(p: EncodedPrompt, outs: Sequence[Response]) -> list[_Item]:
     ]
 
 
-def _checked(items: list[_Item], values: list[Any]) -> GroupRewards:
+def to_score(items: Sequence[ScoreItem], truncated_reward: float | None) -> list[int]:
+    """Indices of the items the function scores: all, or those not cut off when ``truncated_reward`` is set."""
+    return [i for i, it in enumerate(items) if truncated_reward is None or not it.sample.truncated]
+
+
+def call_function(function: RewardFunction, items: Sequence[ScoreItem]) -> list[Any]:
+    """The function's raw values of ``items``; RewardError when it raises."""
+    try:
+        return function.call(
+            [it.response for it in items],
+            [it.answer for it in items],
+            [dict(it.extra) for it in items],
+            [it.sample for it in items],
+        )
+    except Exception as e:
+        raise RewardError(_raised(e)) from e
+
+
+def score_items(function: RewardFunction, items: Sequence[ScoreItem]) -> GroupRewards:
+    """The function's rewards of every one of ``items`` (no ``truncated_reward``); one failure fails them all."""
+    try:
+        return checked(items, call_function(function, items))
+    except RewardError as e:
+        return GroupRewards(None, str(e))
+
+
+def checked(items: Sequence[ScoreItem], values: Sequence[Any]) -> GroupRewards:
+    """The values as finite floats, or the group failed by the first that is not one."""
     try:
         return GroupRewards([_finite(v, it.response) for it, v in zip(items, values, strict=True)])
     except RewardError as e:

@@ -98,6 +98,7 @@ def score_batch(
                     policy_version,
                     epoch,
                     None if group_scores is None else (group_scores[j], model_weight),
+                    getattr(rewards[i], "note", None),
                 )
                 for j, (c, r) in enumerate(zip(outputs[i], group_rewards, strict=True))
             ]
@@ -137,13 +138,16 @@ def _row(
     version: int,
     epoch: int,
     model: tuple[float, float] | None,
+    note: str | None = None,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"prompt_index": p.prompt.index, "epoch": epoch}
+    if note is not None:  # a reward call of the group timed out or crashed: what scored 0.0 and why
+        extra["reward_note"] = note
     if model is not None:
         score, weight = model
         extra |= {"reward_function": reward, "reward_model": score}
         reward = reward + weight * score
-    return {
+    row = {
         "group_id": gid,
         "prompt_ids": list(p.ids),
         "response_ids": list(c.response_ids),
@@ -156,3 +160,10 @@ def _row(
         "answer": p.prompt.answer,
         "extra": json.dumps(extra),
     }
+    if (
+        c.token_versions is not None
+    ):  # generated across a weight update: the oldest token is what staleness means
+        row["policy_version"] = min(c.token_versions)
+        if len(set(c.token_versions)) > 1:
+            row["token_versions"] = list(c.token_versions)
+    return row

@@ -3,13 +3,26 @@
 ``max_digit``: ``max(3,9)=`` -> ``9`` for all 100 ordered pairs of digits.  ``mod_add``: ``3+9=`` -> ``2``
 ((a+b) mod 10).  A response earns 1.0 when its first non-space character is the right digit, ``near_reward`` when
 it is another digit (a shaping signal that teaches a randomly initialised model to emit digits at all), else 0.
+
+``lookup``, a tool task: ``What is the value of code 4821?``, where the value is one digit that only the ``lookup``
+tool knows (a keyed hash of the code; the key is not in any prompt), so the model must call
+``<tool_call>{"name":"lookup","arguments":{"code":4821}}</tool_call>`` and answer with the digit the tool returns;
+it is scored like the digit tasks.  Of the 9000 four-digit codes, ``LOOKUP_HELD_OUT`` are set aside for the
+evaluator and never drawn in training, so that no score can come from codes seen before.  The tool is a function of
+this module because each call imports its module in a fresh child process: this one imports nothing of ours.
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 from dataclasses import dataclass
 
-TASKS = ("max_digit", "mod_add")
+TASKS = ("max_digit", "mod_add", "lookup")
+TOOL_TASKS = {"lookup": "rollout_worker.tasks:lookup"}  # a tool task -> its tool (env.tools)
+LOOKUP_HELD_OUT = 100
+_LOOKUP_KEY = b"shardrl lookup table"
+_CODES = range(1000, 10000)  # four digits without a leading zero: a code is a plain JSON number in the call
 
 
 @dataclass(frozen=True)
@@ -18,11 +31,15 @@ class TaskPrompt:
     answer: str
 
 
-def task_prompts(task: str) -> list[TaskPrompt]:
+def task_prompts(task: str, *, split: str = "train") -> list[TaskPrompt]:
+    """The prompts of a built-in task; ``split="eval"``: the held-out ones (the digit tasks have no other)."""
     if task == "max_digit":
         return [TaskPrompt(f"max({a},{b})=", str(max(a, b))) for a in range(10) for b in range(10)]
     if task == "mod_add":
         return [TaskPrompt(f"{a}+{b}=", str((a + b) % 10)) for a in range(10) for b in range(10)]
+    if task == "lookup":
+        codes = lookup_codes(split)
+        return [TaskPrompt(lookup_prompt(c), lookup(c)) for c in codes]
     raise ValueError(f"unknown task {task!r}; built-in tasks: {', '.join(TASKS)}")
 
 
@@ -36,3 +53,43 @@ def digit_reward(response: str, answer: str, near_reward: float = 0.1) -> float:
     if d is None:
         return 0.0
     return 1.0 if d == answer.strip() else near_reward
+
+
+# ---------------------------------------------------------------------------------------------- lookup
+
+
+def lookup(code: int) -> str:
+    """The value stored under a code: one digit.
+
+    Args:
+        code: the four-digit code to look up
+    """
+    digest = hashlib.blake2b(str(code).encode(), key=_LOOKUP_KEY, digest_size=8).digest()
+    return str(int.from_bytes(digest, "little") % 10)
+
+
+def lookup_codes(split: str = "train") -> list[int]:
+    """The codes of a split, in a fixed shuffled order: ``eval`` the first ``LOOKUP_HELD_OUT``, ``train`` the rest."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"unknown split {split!r}; splits: train, eval")
+    codes = list(_CODES)
+    random.Random(0).shuffle(codes)
+    return codes[:LOOKUP_HELD_OUT] if split == "eval" else codes[LOOKUP_HELD_OUT:]
+
+
+def lookup_prompt(code: int) -> str:
+    return f"What is the value of code {code}?"
+
+
+def lookup_call(code: int) -> str:
+    """The call a model that follows the format writes (compact JSON: the tiny tokenizer spends a token per
+    character of it)."""
+    return f'<tool_call>{{"name":"lookup","arguments":{{"code":{code}}}}}</tool_call>'
+
+
+def lookup_reward(response: str, answer: str | None, *, extra: dict, sample: object) -> float:
+    """The lookup task's reward (``reward.function = "rollout_worker.tasks:lookup_reward"``): the digit tasks'
+    score of the episode's last reply against the tool's value."""
+    if answer is None:
+        raise ValueError("the lookup task needs an answer for every prompt")
+    return digit_reward(response, answer)

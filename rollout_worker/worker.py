@@ -29,11 +29,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
+import random
 import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,7 @@ from rollout_worker.prompts import (
 from rollout_worker.publishing import GroupPublisher
 from rollout_worker.rewards import RewardConfigError, Scorer, make_scorer
 from rollout_worker.scoring import ScoredBatch, score_batch
+from rollout_worker.streaming import GroupStream, InlineScorer, LengthDraw, StreamMeter
 
 __all__ = ["EXIT_CRASH", "EXIT_LEASE", "EXIT_OK", "EXIT_USER", "USER_ERRORS", "preflight", "worker_id_for"]
 
@@ -73,6 +77,13 @@ PAUSE_S = 0.5  # a paused worker looks again this often (or at every weights pol
 # skew between nodes (records carry the writer's wall clock).
 IN_FLIGHT_BEATS = 5
 CLOCK_SKEW_S = 10.0
+# Streaming: the trainer's record is read at most this often (samples started since are added to it), the engine is
+# asked for finished requests for at most STREAM_POLL_S at a time, and the status record written at most every
+# STATUS_S, a metrics line every METRICS_S.
+ADMISSION_S = 0.25
+STREAM_POLL_S = 0.05
+STATUS_S = 0.5
+METRICS_S = 5.0
 log = logging.getLogger("shardrl.rollout")
 
 
@@ -147,6 +158,8 @@ class RolloutWorker:
             may_publish=lambda: life.fenced is None,
         )
         self.engine: Any = None
+        self.lengths: LengthDraw | None = None
+        self.groups: GroupStream | None = None  # rollout.streaming: the groups in flight
         self.tool_task: ToolTask | None = None
         self.weights: WeightFollower | None = None
         self.batches = 0
@@ -159,6 +172,7 @@ class RolloutWorker:
             "dropped_reward_groups": 0,
             "dropped_reward_samples": 0,
             "dropped_bad_logprob_groups": 0,
+            "reward_timeouts": 0,
             "errors": 0,
         }
         life.final_status = self._final_status
@@ -168,7 +182,10 @@ class RolloutWorker:
     def serve(self, prompts: list[Prompt], scorer: Scorer) -> int:
         try:
             self._start(prompts, scorer)
-            self._loop()
+            if self.groups is not None:
+                self._stream()
+            else:
+                self._loop()
             return self._finish()
         except USER_ERRORS as e:
             self.publisher.discard()
@@ -181,6 +198,9 @@ class RolloutWorker:
             self.life.phase = "closing"
             with contextlib.suppress(Exception):
                 self.sink.close()
+            if self.groups is not None:
+                with contextlib.suppress(Exception):
+                    self.groups.scorer.close()
             if self.engine is not None:
                 with contextlib.suppress(Exception):
                     self.engine.close()
@@ -238,7 +258,7 @@ class RolloutWorker:
     def _start(self, prompts: list[Prompt], scorer: Scorer) -> None:
         from transformers import AutoTokenizer
 
-        from rollout_worker.engines import make_engine
+        from rollout_worker.engines import make_engine, make_streaming_engine
 
         cfg = self.cfg
         self.scorer = scorer
@@ -253,18 +273,32 @@ class RolloutWorker:
             from rollout_worker.rewards import RewardModel
 
             self.reward_model = RewardModel(cfg.reward.reward_model)
+        self.lengths = self._length_draw()
         self.life.phase = "loading"
         self._set(state="loading")
         start = time.monotonic()
-        self.engine = make_engine(
-            kind,
-            self.run.model_dir,
-            dtype=engine_dtype(self.run),
-            seed=derive_seed(cfg.run.seed, "engine", self.slot),
-            max_model_len=max_model_len(self.run),
-            vllm_options=vllm_options(self.run),
-            lora_rank=cfg.model.lora.rank,
-        )
+        if cfg.rollout.streaming:
+            self.engine = make_streaming_engine(
+                kind,
+                self.run.model_dir,
+                dtype=engine_dtype(self.run),
+                seed=derive_seed(cfg.run.seed, "engine", self.slot),
+                max_model_len=max_model_len(self.run),
+                vllm_options=vllm_options(self.run),
+                lora_rank=cfg.model.lora.rank,
+                max_batch_size=self._max_in_flight(),
+            )
+            self.groups = self._group_stream()
+        else:
+            self.engine = make_engine(
+                kind,
+                self.run.model_dir,
+                dtype=engine_dtype(self.run),
+                seed=derive_seed(cfg.run.seed, "engine", self.slot),
+                max_model_len=max_model_len(self.run),
+                vllm_options=vllm_options(self.run),
+                lora_rank=cfg.model.lora.rank,
+            )
         self.life.install_signal_handlers()  # an engine library may have replaced them while starting
         self.life.watch_engine()
         log.info("%s: %s engine up in %.1fs on %s", self.worker_id, kind, time.monotonic() - start, _device())
@@ -281,6 +315,14 @@ class RolloutWorker:
         self.weights.poll(force=True)
         self._set(weights_version=self.weights.version, latest_version=self.weights.latest)
         self.life.phase = "running"
+
+    def _length_draw(self) -> LengthDraw | None:
+        """``rollout.sampling.lengths = "loguniform"``: each sample's own length (benchmarks)."""
+        s = self.cfg.rollout.sampling
+        if s.lengths != "loguniform":
+            return None
+        rng = random.Random(derive_seed(self.cfg.run.seed, "lengths", self.slot, self.incarnation))
+        return LengthDraw(s.min_response_length, s.max_response_length, rng)
 
     def _prompt_stream(self, prompts: list[Prompt], tokenizer: Any) -> PromptStream:
         """This slot's prompt stream, resumed where the previous incarnation left it when the source is the same."""
@@ -322,7 +364,11 @@ class RolloutWorker:
             scored, generated = self._episodes(prompts, version)
             seconds = max(time.monotonic() - start, 1e-9)
         else:
-            outputs = self.engine.generate([p.ids for p in prompts], self._sampling())
+            spec = self._sampling()
+            if self.lengths is not None:
+                each = [self.lengths() for _ in range(len(prompts) * spec.n)]
+                spec = replace(spec, max_tokens_each=each, ignore_eos=True)
+            outputs = self.engine.generate([p.ids for p in prompts], spec)
             seconds = max(time.monotonic() - start, 1e-9)
             scored = self._score(prompts, outputs, version)
             generated = sum(len(c.response_ids) for out in outputs for c in out)
@@ -408,6 +454,159 @@ class RolloutWorker:
             **last,
             **c,
         )
+
+    # ------------------------------------------------------------------ streaming (rollout.streaming)
+
+    def _max_in_flight(self) -> int:
+        r = self.cfg.rollout
+        return max(r.max_in_flight or r.prompts_per_batch * r.sampling.n, r.sampling.n)
+
+    def _group_stream(self) -> GroupStream:
+        cfg, r = self.cfg, self.cfg.rollout
+        scorer: Any = InlineScorer(self.scorer)
+        if r.score_processes > 0:
+            from rollout_worker.scorepool import ScorePool
+
+            scorer = ScorePool(cfg.reward, processes=r.score_processes, timeout_s=cfg.reward.timeout_s)
+        return GroupStream(
+            self.engine,
+            scorer,
+            n=r.sampling.n,
+            group_prefix=f"{self.worker_id}.{self.incarnation}.s",
+            lengths=self.lengths,
+            model_scorer=None if self.reward_model is None else self.reward_model.score,
+            model_weight=cfg.reward.reward_model_weight,
+        )
+
+    def _stream(self) -> None:
+        """Keep the engine full: start a group whenever a slot frees and the backlog and staleness bounds allow
+        one more, take each group as soon as it is scored, let weights change under the requests in flight."""
+        assert self.weights is not None and self.groups is not None
+        g, r = self.groups, self.cfg.rollout
+        meter = StreamMeter(self.engine)
+        view, viewed_at, started_since = None, -math.inf, 0
+        while not self.life.stop_requested:
+            now = time.monotonic()
+            if view is None or now - viewed_at >= ADMISSION_S:  # one small file, at most 4 times a second
+                view = self.admission.view(
+                    self.publisher.published_samples, self.publisher.pending_samples + g.samples
+                )
+                viewed_at, started_since = now, 0
+            reason = self._admit(view, view.coming + started_since * r.sampling.n)
+            if reason is None:
+                started_since += self._start_groups(view, view.coming + started_since * r.sampling.n)
+            meter.tick(paused=reason is not None)
+            if reason is not None and not g.groups:
+                self._pause(reason, **({"backlog": view.backlog} if reason == "backlog" else {}))
+                view = None
+                continue
+            self._streamed(g.poll(STREAM_POLL_S, epoch=self.stream.epoch), meter)
+            self._publish()
+            self._stream_status(meter, state="running" if reason is None else "paused", reason=reason)
+        self._drain_stream(meter)
+
+    def _admit(self, view: Any, coming: int) -> str | None:
+        """Why no group may start now (``stale`` / ``backlog``), or None."""
+        assert self.weights is not None
+        step = self.cfg.trainer.samples_per_step
+        rec = view.trainer
+        newest = rec.published_version if view.live and rec is not None and rec.publishing is None else None
+        if not self.weights.catch_up(coming // step, view.planned_step, rec, newest):
+            return "stale"
+        if coming > self.cfg.rollout.max_backlog_samples and coming >= step:
+            return "backlog"
+        return None
+
+    def _start_groups(self, view: Any, coming: int) -> int:
+        """Start groups while there is room in the engine and the bounds hold for each one more."""
+        assert self.weights is not None and self.groups is not None
+        g, r = self.groups, self.cfg.rollout
+        n, step, limit = r.sampling.n, self.cfg.trainer.samples_per_step, self._max_in_flight()
+        started = 0
+        while g.generating + n <= limit:
+            if coming > r.max_backlog_samples and coming >= step:
+                break
+            if self.weights.too_stale(coming // step, view.planned_step, view.trainer):
+                break
+            prompt = self.stream.next_batch(1)[0]
+            g.start(prompt, self._stream_sampling())
+            coming += n
+            started += 1
+        return started
+
+    def _stream_sampling(self) -> SamplingSpec:
+        assert self.groups is not None
+        seed = derive_seed(self.cfg.run.seed, "group", self.slot, self.incarnation, self.groups.started)
+        return replace(self._sampling(), seed=seed)
+
+    def _streamed(self, scored: ScoredBatch, meter: StreamMeter) -> None:
+        """Count and queue the groups that came back scored."""
+        if not (scored.groups or scored.errors):
+            return
+        assert self.groups is not None
+        self.publisher.add(scored.groups)
+        meter.add(scored)
+        c = self.counters
+        if scored.errors and c["dropped_reward_groups"] == 0:
+            log.warning(
+                "%s: dropping groups whose reward fails; first error: %s", self.worker_id, scored.errors[0]
+            )
+            self.status.record["first_reward_error"] = scored.errors[0][:500]
+        c["samples"] += scored.samples
+        c["tokens"] += scored.tokens
+        c["dropped_reward_groups"] += scored.dropped_reward_groups
+        c["dropped_reward_samples"] += scored.dropped_reward_samples
+        c["dropped_bad_logprob_groups"] += scored.dropped_bad_logprob_groups
+        c["reward_timeouts"] = self.groups.timed_out
+        c["errors"] += len(scored.errors)
+        if scored.errors:
+            self.status.record["last_error"] = scored.errors[-1]
+
+    def _stream_status(
+        self, meter: StreamMeter, *, state: str, reason: str | None, force: bool = False
+    ) -> None:
+        """The status record (and a metrics line every METRICS_S), at most every STATUS_S: a record per group
+        would be a write per few milliseconds."""
+        assert self.groups is not None
+        now = time.monotonic()
+        if not force and now - meter.status_at < STATUS_S:
+            return
+        meter.status_at = now
+        stats = self.engine.stats()
+        self.batches = self.groups.started
+        self.counters["dropped_too_long"] = self.stream.skipped_too_long
+        self._set(
+            state=state,
+            paused_reason=reason,
+            in_flight=self.publisher.pending_samples + self.groups.samples,
+            requests_in_flight=stats.in_flight,
+            engine_busy=meter.busy_fraction(),
+            reloads_in_flight=stats.updates,
+            batches=self.batches,
+            prompt_source=self._source_key(self.stream.prompts),
+            prompt_epoch=self.stream.epoch,
+            prompt_cursor=self.stream.cursor,
+            reward_mean=meter.reward_mean(),
+            tokens_per_s=round(meter.tokens_per_s(), 1),
+            **self.counters,
+        )
+        if now - meter.metrics_at >= METRICS_S:
+            self._metrics(**meter.interval())
+
+    def _drain_stream(self, meter: StreamMeter) -> None:
+        """Stopping: no new group; the ones in flight finish and are scored until the drain's time is half gone,
+        then the rest are dropped (never published in part)."""
+        assert self.groups is not None
+        g = self.groups
+        deadline = time.monotonic() + self.cfg.rollout.drain_deadline_s / 2
+        while g.groups and time.monotonic() < deadline and self.life.fenced is None:
+            self._streamed(g.poll(STREAM_POLL_S, epoch=self.stream.epoch), meter)
+        dropped = g.abort_all()
+        if dropped:
+            log.info(
+                "%s: %d samples still generating at the drain's deadline, dropped", self.worker_id, dropped
+            )
+        self._stream_status(meter, state="running", reason=None, force=True)
 
     # ------------------------------------------------------------------ publishing and backpressure
 

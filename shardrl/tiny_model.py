@@ -37,7 +37,11 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END]
 
+# Tools are named with their parameters in a system turn, ``Tools: lookup(code)``: the tiny model's positions hold
+# no JSON schemas.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}("
+    "{{ t['function']['parameters']['properties'] | join(',') }}){% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -212,32 +216,30 @@ def build_tiny_model(
     return out
 
 
+def pretraining_task(task: str) -> str:
+    """What ``model.tiny_pretrain_steps`` pretrains on for a run of ``task``: the other digit task, or, for the tool
+    task, its call format (``pretrain(..., "lookup", ...)``)."""
+    return {"max_digit": "mod_add", "mod_add": "max_digit"}.get(task, task)
+
+
 def pretrain(model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float = 3e-3) -> None:
     """Train the tiny model in ``model_dir`` (in place) for ``steps`` supervised steps on the answers of the
     built-in ``task``: a base that has learnt to answer such prompts with a digit, as a pretrained model has seen
     related tasks.  A random tiny base does not know that format, and LoRA adapters on its frozen embeddings cannot
-    teach it (``shardrl demo --lora`` pretrains on the task it does not train).  Deterministic for a ``seed``."""
+    teach it (``shardrl demo --lora`` pretrains on the task it does not train).  ``lookup`` teaches the tool task's
+    format only (``_lookup_examples``).  Deterministic for a ``seed``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_worker.tasks import task_prompts
-
     tok = AutoTokenizer.from_pretrained(model_dir)
-    examples = task_prompts(task)
-    prompts = [tok(t.prompt)["input_ids"] for t in examples]
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError(f"{task}: prompts of unequal length; pretraining expects one length")
-    answers = torch.tensor([tok(t.answer)["input_ids"][0] for t in examples])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        ids = torch.tensor(prompts)
-        for _ in range(steps):
-            loss = torch.nn.functional.cross_entropy(model(ids).logits[:, -1], answers)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        if task == "lookup":
+            _pretrain_format(model, opt, tok, steps, seed)
+        else:
+            _pretrain_answers(model, opt, tok, task, steps)
     tmp = tmp_name(model_dir)
     try:
         model.save_pretrained(tmp)
@@ -247,6 +249,72 @@ def pretrain(model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float
         fsync_dir(model_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pretrain_answers(model: Any, opt: Any, tok: Any, task: str, steps: int) -> None:
+    """Full-batch steps on the one-token answers of a digit task's prompts."""
+    import torch
+
+    from rollout_worker.tasks import task_prompts
+
+    examples = task_prompts(task)
+    prompts = [tok(t.prompt)["input_ids"] for t in examples]
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError(f"{task}: prompts of unequal length; pretraining expects one length")
+    answers = torch.tensor([tok(t.answer)["input_ids"][0] for t in examples])
+    ids = torch.tensor(prompts)
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(ids).logits[:, -1], answers)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+# Examples per step of the tool task's format pretraining, each with a fresh code and a fresh random answer.
+FORMAT_BATCH = 32
+
+
+def _pretrain_format(model: Any, opt: Any, tok: Any, steps: int, seed: int) -> None:
+    """Steps on whole episodes of the lookup task, the loss on the model's own turns only."""
+    import torch
+
+    rng = random.Random(seed)
+    for _ in range(steps):
+        ids, labels = _lookup_examples(tok, FORMAT_BATCH, rng)
+        logits = model(torch.tensor(ids)).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor(labels)[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _lookup_examples(tok: Any, n: int, rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+    """``n`` lookup episodes as the rollout worker renders them (ids) and what is learnt of them (labels, -100
+    elsewhere): the call with the prompt's code copied into it, then, after the tool's result, a *random* digit.
+
+    So the base knows how to call the tool and that a digit ends the episode, but its answers are independent of
+    the tool's result: it starts at chance, and copying the result is what RL has to learn.
+    """
+    from rollout_worker.envs.episode import ChatRenderer
+    from rollout_worker.envs.tools import resolve_tools
+    from rollout_worker.tasks import TOOL_TASKS, lookup, lookup_call, lookup_codes, lookup_prompt
+
+    renderer = ChatRenderer(tok)
+    tools = resolve_tools([TOOL_TASKS["lookup"]])
+    ids, labels = [], []
+    for code in rng.sample(lookup_codes("train"), n):
+        user = {"role": "user", "content": lookup_prompt(code)}
+        prompt = renderer.encode(renderer.render([user], tools, generation_prompt=True))
+        call = renderer.encode(lookup_call(code) + IM_END)
+        history = [user, {"role": "assistant", "content": lookup_call(code)}]
+        result = [{"role": "tool", "name": "lookup", "content": lookup(code)}]
+        env = renderer.env_turn(history, result, tools, call)
+        answer = renderer.encode(f"{rng.randrange(10)}{IM_END}")
+        ids.append(prompt + call + env + answer)
+        labels.append([-100] * len(prompt) + call + [-100] * len(env) + answer)
+    if len({len(x) for x in ids}) != 1:
+        raise ValueError("lookup: episodes of unequal length; pretraining expects one length")
+    return ids, labels
 
 
 def _seal(path: Path) -> None:

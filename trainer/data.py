@@ -10,10 +10,17 @@ Micro-batches are packed by default (``trainer.packing``): the model sees one ro
 with positions restarting at 0 per sequence, so no compute is spent on padding and the token budget counts real
 tokens.  ``collate`` still returns the right-padded [B, T] layout as well: the losses, GAE and metrics work on it,
 and ``trainer.model.batch_logprobs``/``batch_values`` scatter the packed outputs back into it.
+
+Two optional columns say more about where a sample came from.  ``episode`` (multi-turn, a JSON object) may carry an
+``episode_id``: the samples an agent episode was split into (``rollout_worker/envs/calls.py``) share it, and
+``trainer/step.py`` gives them one advantage (``Sample.episode_key``).  ``token_versions`` (sample columns version 3)
+is the policy version of each response token of a response generated across a weight update; staleness is still
+judged by ``policy_version``, its oldest model token (``Sample.model_versions`` feeds the per-token metrics only).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +60,12 @@ class Sample:
     # Multi-turn samples: 1 on the response tokens the model sampled, 0 on the environment's (tool results, user
     # turns), which are context only.  None: every response token is the model's.
     loss_mask: list[int] | None = None
+    # The episode it is a part of, when an episode was split into several samples that must share one advantage
+    # (the ``episode_id`` of its ``episode`` record).  None: the sample is a whole episode of its own.
+    episode_key: str | None = None
+    # The policy version that sampled each response token (-1 on the environment's), for a response generated
+    # across a weight update.  None: every token is ``policy_version``.
+    token_versions: list[int] | None = None
 
     @property
     def length(self) -> int:
@@ -63,18 +76,50 @@ class Sample:
         """Response tokens the losses are taken over."""
         return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
+    def model_versions(self) -> list[int]:
+        """The policy version of each token the losses are taken over (``loss_tokens`` of them), in order."""
+        if self.token_versions is None:
+            return [self.policy_version] * self.loss_tokens
+        if self.loss_mask is None:
+            return list(self.token_versions)
+        return [v for v, m in zip(self.token_versions, self.loss_mask, strict=True) if m]
+
 
 def _samples(table: pa.Table, shard: str = "") -> list[Sample]:
     cols = {c: table.column(c).to_pylist() for c in COLUMNS}
-    masks = (
-        table.column("loss_mask").to_pylist()
-        if "loss_mask" in table.column_names
-        else [None] * table.num_rows
-    )
+    masks, episodes, versions = (_optional(table, c) for c in ("loss_mask", "episode", "token_versions"))
     return [
-        Sample(**{c: cols[c][i] for c in COLUMNS}, shard=shard, row=i, loss_mask=masks[i])
+        Sample(
+            **{c: cols[c][i] for c in COLUMNS},
+            shard=shard,
+            row=i,
+            loss_mask=masks[i],
+            episode_key=_episode_key(episodes[i]),
+            token_versions=versions[i],
+        )
         for i in range(table.num_rows)
     ]
+
+
+def _optional(table: pa.Table, name: str) -> list[Any]:
+    """An optional column's values; all None when the shard was written before the column existed."""
+    return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+
+
+def _episode_key(record: str | None) -> str | None:
+    """The ``episode_id`` of an ``episode`` record, or None (no record, or one without an id).
+
+    The record is free-form JSON the trainer does not otherwise read: one that does not parse, or is not an
+    object, names no episode, and its sample stays a whole episode of its own.
+    """
+    if record is None or "episode_id" not in record:
+        return None
+    try:
+        parsed = json.loads(record)
+    except ValueError:
+        return None
+    key = parsed.get("episode_id") if isinstance(parsed, dict) else None
+    return None if key is None else str(key)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from buffer.status import mark_finished, read_finished
 from buffer.weights import WeightsError
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
+from trainer.data import Sample
 from trainer.feed import Feeder, StepBatch, on_rank0
 from trainer.lora import AdaptersOff
 from trainer.metrics import step_line
@@ -268,10 +269,30 @@ def step_metrics(
             reward_max_frac=sum(1 for s in samples if s.reward >= 1.0) / len(samples),
             staleness_mean=sum(stale) / len(stale),
             staleness_max=max(stale),
+            **token_staleness(samples, version),
             tokens_per_s=sum(s.length for s in samples) / max(times.get("compute", 0.0), 1e-9),
             peak_mem_gib=peak_memory_gib(),
         )
     return out
+
+
+def token_staleness(samples: list[Sample], version: int) -> dict[str, float]:
+    """Staleness per loss token: ``token_staleness_mean``, the mean of ``version`` less the version that sampled
+    each token (a response generated across a weight update has several), and ``mixed_version_samples``, the
+    samples whose model tokens come from more than one version.  Staleness rules judge a sample by its oldest
+    token (``policy_version``) instead."""
+    total, tokens, mixed = 0, 0, 0
+    for s in samples:
+        if s.token_versions is None:  # the common case, without a list per token
+            n = s.loss_tokens
+            total += (version - s.policy_version) * n
+        else:
+            versions = s.model_versions()
+            n = len(versions)
+            total += version * n - sum(versions)
+            mixed += int(len(set(versions)) > 1)
+        tokens += n
+    return {"token_staleness_mean": total / max(tokens, 1), "mixed_version_samples": mixed}
 
 
 # ------------------------------------------------------------------------------------------- publish and save

@@ -10,9 +10,33 @@ logprobs (KL), proximal logprobs (the decoupled objective over several updates, 
 rewards (the scalar reward on the last response token, minus the KL penalty when ``kl_mode = "reward"``) of the
 token-level algorithms: for PPO the critic's old values, GAE advantages and returns, optionally whitened over the
 whole step on all ranks; for REINFORCE++ the returns, always whitened that way.  GRPO and RLOO advantages are per
-sample (from the rewards of the sample's group) and need none of it.  After the step, an adaptive KL coefficient
-(``algorithm.kl_target``) moves towards the target by the step's measured KL; ``Models.state`` carries it through
-checkpoints.
+episode (from the rewards of the episodes of the sample's group) and need none of it.  After the step, an adaptive
+KL coefficient (``algorithm.kl_target``) moves towards the target by the step's measured KL; ``Models.state``
+carries it through checkpoints.
+
+Split episodes.  A multi-turn agent episode may come as several samples (``Sample.episode_key``; split where the
+chat template rewrote the history, ``rollout_worker/envs/calls.py``), each with the episode's reward and group.
+Every model token is in exactly one of them: what an earlier sample generated is a later one's prompt, context
+only, so no token is trained twice.  Per estimator:
+
+- grpo, rloo: the group's mean, std and leave-one-out baseline are over its episodes, one entry each, and every
+  sample gets its episode's advantage (``group_sample_advantages``); per sample, an episode split in k would weigh
+  k times in its group's statistics, and under RLOO its own reward would be in its own baseline.
+- reinforce_pp: nothing to do.  Each token's return is its sample's reward (less the KL penalty to go, with
+  ``kl_mode = "reward"``) and the baseline is the whitening over every token of the step, where each model token
+  counts once however its episode was split.  With ``kl_mode = "reward"`` an earlier sample's returns miss the
+  penalties of the later samples' tokens.
+- ppo: nothing changes.  GAE runs per sample, with the reward on each sample's last token: at ``gamma = 1`` every
+  token's Monte Carlo return is the episode's reward, as unsplit; at ``gamma < 1`` an earlier sample's tokens are
+  discounted from their own sample's end rather than the episode's (a shorter horizon), and no value is
+  bootstrapped across the split.
+
+Loss aggregation counts a sample as a sequence.  ``token-mean``, ``token-sum``, ``seq-mean-token-sum`` and
+``seq-mean-token-sum-norm`` weigh every model token the same whether or not its episode was split (the sequence
+count of ``seq-mean-token-sum`` only scales the whole loss).  ``seq-mean-token-mean`` weighs each sample as one
+sequence (its tokens averaged on their own), so an episode split in k weighs k times an unsplit one: pick a
+token-weighted mode when that matters for an agent run.  Either way the prefix the samples of an episode share is
+never weighed twice: it is never a loss token.
 
 With ``trainer.sequence_parallel = K`` > 1 the K consecutive ranks of a group take the same share and each runs a
 chunk of every packed micro-batch (``trainer/sequence_parallel.py``); every rank of a group then holds the group's
@@ -137,19 +161,55 @@ class _Metrics:
 
 
 def group_sample_advantages(cfg: ShardRLConfig, samples: list[Sample]) -> None:
-    """GRPO / RLOO: each sample's advantage from the rewards of its group (other algorithms: per token, later)."""
+    """GRPO / RLOO: each sample's advantage from the rewards of its group's episodes (other algorithms: per token,
+    later).
+
+    The statistics are over one entry per episode (``episodes``), and every sample of an episode gets the
+    episode's advantage; samples without an ``episode_key`` are an episode each, so a step with no split episode
+    gets exactly the per-sample advantages.
+    """
     a = cfg.algorithm
-    groups: dict[str, int] = {}
-    index = torch.tensor([groups.setdefault(s.group_id, len(groups)) for s in samples])
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    if a.name == "grpo":
-        adv = ppo.grpo_advantages(rewards, index, a.norm_adv_by_std)
-    elif a.name == "rloo":
-        adv = ppo.rloo_advantages(rewards, index)
-    else:
+    if a.name not in ("grpo", "rloo"):
         return
-    for s, value in zip(samples, adv.tolist(), strict=True):
+    of_sample, rewards, group = episodes(samples)
+    if a.name == "grpo":
+        adv = ppo.grpo_advantages(rewards, group, a.norm_adv_by_std)
+    else:
+        adv = ppo.rloo_advantages(rewards, group)
+    for s, value in zip(samples, adv[of_sample].tolist(), strict=True):
         s.advantage = value
+
+
+def episodes(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(of_sample, rewards, group)``: each sample's episode [N], and each episode's reward [E] (float64) and group
+    [E], episodes in the order of their first sample.
+
+    An episode is a ``(group_id, episode_key)``, or a sample of its own when it has no key.  Its samples carry the
+    episode's reward; should they not agree, the episode's reward is their mean.
+    """
+    index: dict[tuple[str, str, str], int] = {}
+    of_sample = [
+        index.setdefault(
+            (s.group_id, "episode", s.episode_key)
+            if s.episode_key is not None
+            else (s.group_id, "sample", s.sample_id),
+            len(index),
+        )
+        for s in samples
+    ]
+    rewards: list[list[float]] = [[] for _ in index]
+    groups: dict[str, int] = {}
+    group = [0] * len(index)
+    for s, e in zip(samples, of_sample, strict=True):
+        rewards[e].append(s.reward)
+        group[e] = groups.setdefault(s.group_id, len(groups))
+    # equal rewards are taken as they are: a mean of copies can be off by an ulp, and a flat group must stay flat
+    reward = [rs[0] if min(rs) == max(rs) else math.fsum(rs) / len(rs) for rs in rewards]
+    return (
+        torch.tensor(of_sample, dtype=torch.long),
+        torch.tensor(reward, dtype=torch.float64),
+        torch.tensor(group, dtype=torch.long),
+    )
 
 
 def sampling_temperature(cfg: ShardRLConfig) -> float:

@@ -181,8 +181,19 @@ def _rule_sequence_parallel_packs(cfg: ShardRLConfig) -> str | None:
     )
 
 
+def _rule_streaming_without_lora(cfg: ShardRLConfig) -> str | None:
+    # An adapter version loaded in flight would need the old adapter resident until its requests end.
+    if not cfg.rollout.streaming or cfg.model.lora.rank == 0:
+        return None
+    return (
+        f"rollout.streaming = true with model.lora.rank = {cfg.model.lora.rank}: LoRA adapters are served by the "
+        "batch workers only; set rollout.streaming = false"
+    )
+
+
 RULES = (
     _rule_engine_settings,
+    _rule_streaming_without_lora,
     _rule_initial_workers,
     _rule_backlog_fills_a_step,
     _rule_whole_groups,
@@ -198,6 +209,9 @@ RULES = (
 PER_PROCESS_FIELDS = frozenset(
     {
         "rollout.max_local_workers",
+        "rollout.streaming",
+        "rollout.max_in_flight",
+        "rollout.score_processes",
         "rollout.cpu_workers",
         "rollout.threads_per_worker",
         "rollout.drain_deadline_s",

@@ -251,6 +251,12 @@ class RewardConfig(_Section):
         description="HF sequence-classification model directory; its score is added to the function's reward.",
     )
     reward_model_weight: float = Field(1.0, description="Weight of the reward model's score.")
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Streaming workers (`rollout.streaming`): wall time of one reward call in its scoring "
+        "process; past it the process is killed and the sample scores 0.0 (recorded in its `extra`).",
+    )
 
 
 class SamplingConfig(_Section):
@@ -262,6 +268,13 @@ class SamplingConfig(_Section):
     max_response_length: int = Field(1024, ge=1, description="Maximum generated tokens per response.")
     n: int = Field(8, ge=1, description="Samples per prompt (one GRPO group).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (token ids keep them).")
+    lengths: Literal["natural", "loguniform"] = Field(
+        "natural",
+        description="For benchmarks: `loguniform` draws each sample's length log-uniformly between "
+        "min_response_length and max_response_length and samples past EOS to it (a long-tailed length mix "
+        "from any model); `natural` = the model decides.",
+    )
+    min_response_length: int = Field(16, ge=1, description="Shortest length of `lengths = loguniform`.")
 
 
 class VllmConfig(_Section):
@@ -326,6 +339,25 @@ class RolloutConfig(_Section):
     )
     restart_window_s: float = Field(300.0, gt=0, description="Window for counting crash-loop restarts.")
     threads_per_worker: int | None = Field(None, ge=1, description="OMP threads per CPU worker.")
+    streaming: bool = Field(
+        False,
+        description="Streaming workers: requests join the engine one sample at a time as others finish "
+        "(continuous batching), a group is scored in `score_processes` processes as soon as its last sample "
+        "ends, and a new weight version is loaded in flight (requests keep going on the new weights; each token "
+        "records its version).  false = batch by batch.",
+    )
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        description="Streaming: samples generating at once on one worker; default prompts_per_batch x "
+        "sampling.n.",
+    )
+    score_processes: int = Field(
+        1,
+        ge=0,
+        description="Streaming: processes scoring rewards beside the engine; 0 = in the worker's own thread "
+        "(no time limit).",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     vllm: VllmConfig | None = Field(
         None, description="vLLM settings; filled with defaults when the engine is vllm or auto, none for hf."
@@ -444,24 +476,39 @@ class EvalConfig(_Section):
 
 
 class EnvConfig(_Section):
-    """Multi-turn episodes (rollout_worker/envs): tools the model may call and the limits of one episode; off while
-    `tools` is empty."""
+    """Multi-turn episodes (rollout_worker/envs): tools the model may call, or an agent that calls the model through
+    an OpenAI-compatible endpoint, and the limits of one episode; off while `tools` is empty and `agent` unset."""
 
     tools: list[str] = Field(
         default_factory=list,
         description="Tool functions `package.module:function`, shown to the model through the chat template "
         "(`tools=`) and called in a child process; a row's `tools` field may name a subset.",
     )
+    agent: str | None = Field(
+        None,
+        description="An agent `package.module:function`, called per episode as `fn(base_url, row) -> str | None` "
+        "with an OpenAI-compatible base URL of the worker's own endpoint; it runs its own tools, and its final "
+        "answer is scored by reward.function.  Exclusive with `tools`.",
+    )
+    agent_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="Wall time of one agent run; past it the episode ends with reward 0 and its later calls "
+        "fail.",
+    )
     max_turns: int = Field(
         8,
         ge=1,
         le=1000,
-        description="Assistant turns per episode; one past it ends the episode as truncated.",
+        description="Assistant turns (an agent's model calls) per episode; one past it ends the episode as "
+        "truncated.",
     )
     max_turn_tokens: int | None = Field(
         None,
         ge=1,
-        description="Generated tokens per assistant turn; default rollout.sampling.max_response_length.",
+        description="Generated tokens per assistant turn (an agent's call); default "
+        "rollout.sampling.max_response_length.",
     )
     tool_timeout_s: float = Field(
         10.0,
@@ -486,3 +533,19 @@ class EnvConfig(_Section):
         if len(set(v)) != len(v):
             raise ValueError(f"{v!r} names a tool twice")
         return v
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_module_function(cls, v: str | None) -> str | None:
+        module, _, attr = (v or "m:f").partition(":")
+        if not module or not attr.isidentifier():
+            raise ValueError(f"{v!r} is not `package.module:function`")
+        return v
+
+    @model_validator(mode="after")
+    def _agent_or_tools(self) -> EnvConfig:
+        if self.agent is not None and self.tools:
+            raise ValueError(
+                "env.agent and env.tools are exclusive: an agent runs its own tools; set one of them"
+            )
+        return self

@@ -37,9 +37,8 @@ class Completion:
     # Detokenized response without special tokens, cut before a stop string.  The ids keep the stop string's tokens
     # and the EOS token: training uses the ids.
     response_text: str
-    # The policy version that sampled each response token, when they are not all one version (a streaming engine
-    # that loaded new weights while this response was being generated); None: every token is the version the
-    # caller generated it with.
+    # The policy version that sampled each response token (streaming engines, which load new weights while
+    # responses are being generated); None (batch engines): every token is the version the caller generated with.
     token_versions: list[int] | None = None
 
 
@@ -59,6 +58,8 @@ class SamplingSpec:
     seed: int | None = None
     # Keep sampling past an EOS token until max_tokens (benchmarks that need a chosen length distribution).
     ignore_eos: bool = False
+    # Each sample's own max_tokens (prompt-major: prompt i's sample j is ``i * n + j``); None: max_tokens for all.
+    max_tokens_each: list[int] | None = None
 
 
 class Engine(Protocol):

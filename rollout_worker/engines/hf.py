@@ -128,16 +128,16 @@ class HFEngine:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         rows = [list(p) for p in prompt_ids for _ in range(sampling.n)]
+        each = sampling.max_tokens_each or [sampling.max_tokens] * len(rows)
         done: list[Completion] = []
         with torch.inference_mode():
             for start in range(0, len(rows), self.max_batch_size):
-                done.extend(
-                    self._generate_batch(rows[start : start + self.max_batch_size], sampling, generator)
-                )
+                end = start + self.max_batch_size
+                done.extend(self._generate_batch(rows[start:end], sampling, generator, each[start:end]))
         return [done[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_ids))]
 
     def _generate_batch(
-        self, rows: list[list[int]], sampling: SamplingSpec, generator: torch.Generator
+        self, rows: list[list[int]], sampling: SamplingSpec, generator: torch.Generator, max_tokens: list[int]
     ) -> list[Completion]:
         import torch
         from transformers import DynamicCache
@@ -150,7 +150,7 @@ class HFEngine:
             mask[i, width - len(r) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        budget = [min(sampling.max_tokens, self.max_model_len - len(r)) for r in rows]
+        budget = [min(m, self.max_model_len - len(r)) for m, r in zip(max_tokens, rows, strict=True)]
         out_ids: list[list[int]] = [[] for _ in rows]
         out_lps: list[list[float]] = [[] for _ in rows]
         finish: list[str | None] = [None] * len(rows)
@@ -171,7 +171,9 @@ class HFEngine:
                 if finish[i] is None:
                     out_ids[i].append(token_list[i])
                     out_lps[i].append(logprob_list[i])
-                    finish[i], texts[i] = self._finished(out_ids[i], budget[i], sampling.stop)
+                    finish[i], texts[i] = self._finished(
+                        out_ids[i], budget[i], sampling.stop, sampling.ignore_eos
+                    )
             if all(f is not None for f in finish):
                 break
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=-1)
@@ -205,9 +207,11 @@ class HFEngine:
             token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
         return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
 
-    def _finished(self, ids: list[int], budget: int, stop: list[str]) -> tuple[str | None, str | None]:
+    def _finished(
+        self, ids: list[int], budget: int, stop: list[str], ignore_eos: bool = False
+    ) -> tuple[str | None, str | None]:
         """(finish reason, text cut before a stop string) once a response is complete, else (None, None)."""
-        if ids[-1] in self.eos_ids:
+        if not ignore_eos and ids[-1] in self.eos_ids:
             return "stop", None
         if stop:
             text = self._decode(ids)

@@ -368,7 +368,7 @@ class StreamingHFEngine:
             response_logprobs=r.logprobs,
             finish_reason=finish,
             response_text=self.hf._decode(r.ids) if text is None else text,
-            token_versions=r.versions if len(set(r.versions)) > 1 else None,
+            token_versions=r.versions,
         )
 
 

@@ -237,17 +237,21 @@ class VllmEngine:
 
         check_prompts(prompt_ids, sampling, self.max_model_len)
 
-        def params(seed: int | None) -> Any:
+        def params(seed: int | None, n: int = sampling.n, max_tokens: int = sampling.max_tokens) -> Any:
             return SamplingParams(
-                n=sampling.n,
+                n=n,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                max_tokens=sampling.max_tokens,
+                max_tokens=max_tokens,
                 stop=list(sampling.stop) or None,
                 seed=seed,
                 logprobs=0,
+                ignore_eos=sampling.ignore_eos,
             )
+
+        if sampling.max_tokens_each is not None:  # a request per sample, each with its own length
+            return self._generate_each(prompt_ids, sampling, params)
 
         # vLLM gives the children of one request seeds seed + j; offsetting each prompt by n keeps every sample's
         # stream distinct (one seed for the whole batch would give identical prompts identical samples).
@@ -256,6 +260,23 @@ class VllmEngine:
         with engine_errors(self.log_offset):
             outputs = self.llm.generate(prompts, per_prompt, use_tqdm=False, lora_request=self.lora_request)
         return [[self._completion(req.prompt_token_ids, out) for out in req.outputs] for req in outputs]
+
+    def _generate_each(
+        self, prompt_ids: list[list[int]], sampling: SamplingSpec, params: Any
+    ) -> list[list[Completion]]:
+        from vllm.inputs import TokensPrompt
+
+        assert sampling.max_tokens_each is not None
+        n = sampling.n
+        flat = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(n)]
+        each = [
+            params(sample_seed(sampling.seed, k // n, n, k % n), 1, m)
+            for k, m in enumerate(sampling.max_tokens_each)
+        ]
+        with engine_errors(self.log_offset):
+            outputs = self.llm.generate(flat, each, use_tqdm=False, lora_request=self.lora_request)
+        done = [self._completion(req.prompt_token_ids, req.outputs[0]) for req in outputs]
+        return [done[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
     def _completion(self, prompt_ids: Any, out: Any) -> Completion:
         ids = list(out.token_ids)

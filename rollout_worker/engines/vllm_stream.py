@@ -195,7 +195,7 @@ class StreamingVllmEngine:
                     response_text="".join(text)
                     if by_string
                     else self.tokenizer.decode(ids, skip_special_tokens=True),
-                    token_versions=versions if len(set(versions)) > 1 else None,
+                    token_versions=versions,
                 ),
             )
         )

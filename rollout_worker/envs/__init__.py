@@ -18,7 +18,17 @@ from ..engines.base import SamplingSpec
 from ..prompts import EncodedPrompt, Prompt
 from ..rewards import resolve_reward
 from ..scoring import ScoredBatch
-from .episode import ChatRenderer, Episode, Generate, Limits, ToolEnv, group_rows, run_episodes
+from .episode import (
+    ChatRenderer,
+    Complete,
+    Episode,
+    Generate,
+    Limits,
+    ToolEnv,
+    group_rows,
+    run_episodes,
+    run_episodes_in_flight,
+)
 from .sandbox import ToolRunner
 from .tools import Tool, resolve_tools
 
@@ -59,15 +69,23 @@ class ToolTask:
         *,
         group_prefix: str,
         epoch: int = 0,
+        complete: Complete | None = None,
     ) -> tuple[ScoredBatch, int]:
         """``sampling.n`` episodes of every prompt, run to their ends, as scored groups (group ``i`` is
         ``{group_prefix}.{i}``), and the count of tokens the model generated.
+
+        With ``complete`` (a streaming engine's ``StreamCompleter``) each episode goes at its own pace
+        (``run_episodes_in_flight``); else every live episode takes a turn per ``generate`` call.
 
         The prompts are rendered again here, with the tools (``EncodedPrompt.ids`` have none).  A group whose
         logprobs are unusable, or whose prompt leaves no room for a turn, is dropped whole, one line in ``errors``.
         """
         groups = [[self.episode(p.prompt) for _ in range(sampling.n)] for p in prompts]
-        run_episodes(generate, [e for g in groups for e in g], sampling, self.limits, version)
+        flat = [e for g in groups for e in g]
+        if complete is not None:
+            run_episodes_in_flight(complete, flat, sampling, self.limits, version)
+        else:
+            run_episodes(generate, flat, sampling, self.limits, version)
         out = ScoredBatch()
         for i, (g, p) in enumerate(zip(groups, prompts, strict=True)):
             rows, why = group_rows(g, f"{group_prefix}.{i}", p.prompt, epoch=epoch)

@@ -219,7 +219,9 @@ class ChatRenderer:
 class Turn:
     ids: list[int]
     logprobs: list[float]  # the engine's on a model turn; 0 on an environment turn
-    version: int  # the policy version that sampled it; ENV_VERSION for an environment turn
+    version: int  # the policy version that sampled it (the oldest, if several); ENV_VERSION for an environment turn
+    # each token's version, when a weight update landed while the turn was generated (streaming engines)
+    token_versions: list[int] | None = None
 
     @property
     def model(self) -> bool:
@@ -289,7 +291,11 @@ class Episode:
         budget = min(limits.max_turn_tokens, room)
         ids, lps = list(c.response_ids[:budget]), list(c.response_logprobs[:budget])
         self.reply = self.renderer.decode(ids) if len(c.response_ids) > budget else c.response_text
-        self.turns.append(Turn(ids, lps, version))
+        versions = None if c.token_versions is None else list(c.token_versions[:budget])
+        if versions:  # a streaming engine says which weights drew each token
+            version = min(versions)
+            versions = versions if len(set(versions)) > 1 else None
+        self.turns.append(Turn(ids, lps, version, versions))
         self.messages.append({"role": "assistant", "content": self.reply})
         if len(ids) >= room:
             self.ended = "length"
@@ -371,6 +377,42 @@ def run_episodes(
             round_ += 1
 
 
+Complete = Callable[[list[int], SamplingSpec], Completion]
+
+
+def run_episodes_in_flight(
+    complete: Complete,
+    episodes: list[Episode],
+    sampling: SamplingSpec,
+    limits: Limits,
+    version: Callable[[], int],
+    *,
+    threads: int = 64,
+) -> None:
+    """Run every episode to its end, each on its own: a turn is generated as soon as the episode's last tool
+    answered (``complete`` over a streaming engine: ``engines.completer.StreamCompleter``), so a slow tool holds
+    only its own episode while the engine generates the others' turns.  Up to ``threads`` episodes at once."""
+
+    def one(k: int, e: Episode) -> None:
+        turn = 0
+        while e.ended is None:
+            room = e.room(limits)
+            if room < 1:
+                e.ended = "context_limit"
+                return
+            seed = None if sampling.seed is None else sampling.seed + 1_000_003 * turn + k
+            spec = replace(sampling, n=1, max_tokens=min(limits.max_turn_tokens, room), seed=seed)
+            v = version()
+            e.add_model_turn(complete(e.prompt_ids + e.response_ids, spec), limits, v)
+            if e.ended is None:
+                e.add_env_turn(e.env.step(e.reply), limits)
+            turn += 1
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(episodes)))) as pool:
+        for f in [pool.submit(one, k, e) for k, e in enumerate(episodes)]:
+            f.result()
+
+
 # ---------------------------------------------------------------------------------------------- shard rows
 
 
@@ -411,7 +453,7 @@ def _row(e: Episode, group_id: str, prompt: Prompt, epoch: int) -> dict[str, Any
         reward = 0.0
         record["reward_error"] = f"{type(err).__name__}: {err}"[:500]
     versions = [t.version for t in e.turns if t.model]
-    return {
+    row = {
         "group_id": group_id,
         "prompt_ids": list(e.prompt_ids),
         "response_ids": e.response_ids,
@@ -428,3 +470,6 @@ def _row(e: Episode, group_id: str, prompt: Prompt, epoch: int) -> dict[str, Any
         "turn_versions": [t.version for t in e.turns],
         "episode": json.dumps(record),
     }
+    if any(t.token_versions for t in e.turns):  # a weight update landed inside a turn: versions per token
+        row["token_versions"] = [v for t in e.turns for v in (t.token_versions or [t.version] * len(t.ids))]
+    return row

@@ -27,3 +27,17 @@ def sleepy(prompt: str, response: str, answer: str | None) -> float:
     print("sleepy reward: scoring slowly", file=sys.stderr, flush=True)
     time.sleep(120)
     return 0.0
+
+
+def hangs_on_seven(prompt: str, response: str, answer: str | None) -> float:
+    """The max-digit reward, except that it never returns for prompts whose answer is 7 (a hung verifier)."""
+    if answer == "7":
+        time.sleep(3600)
+    return digit_reward(response, answer or "")
+
+
+def dies_on_eight(prompt: str, response: str, answer: str | None) -> float:
+    """The max-digit reward, except that it kills its process for prompts whose answer is 8 (a crashing one)."""
+    if answer == "8":
+        os._exit(9)
+    return digit_reward(response, answer or "")

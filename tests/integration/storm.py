@@ -94,6 +94,7 @@ class StormSpec:
     kill_every_s: tuple[float, float] = (2.0, 7.0)
     rescale_every_s: tuple[float, float] = (4.0, 12.0)
     restart_after_s: tuple[float, float] = (0.5, 4.0)
+    streaming: bool = False  # rollout.streaming: requests one by one, weights updated in flight
     log: Callable[[str], None] = print
 
 
@@ -695,7 +696,7 @@ def run_storm(spec: StormSpec) -> tuple[Storm, Audit]:
         f"[storm] seed {spec.seed}, {spec.ranks} trainer rank(s), {spec.storm_s:.0f}s storm, run {spec.root} "
         f"(replay: python bench/chaos.py --seed {spec.seed} --ranks {spec.ranks} --minutes {spec.storm_s / 60:g})"
     )
-    make_storm_run(spec.root)
+    make_storm_run(spec.root, {"rollout.streaming": str(spec.streaming).lower()})
     storm = Storm(spec)
     t0 = time.monotonic()
     try:
@@ -708,5 +709,7 @@ def run_storm(spec: StormSpec) -> tuple[Storm, Audit]:
     result = audit(storm)
     if last_rc != 0:
         result.problems.append(f"the last trainer exited {last_rc}, not 0")
-    result.figures.update(seed=spec.seed, ranks=spec.ranks, wall_s=round(time.monotonic() - t0, 1))
+    result.figures.update(
+        seed=spec.seed, ranks=spec.ranks, streaming=spec.streaming, wall_s=round(time.monotonic() - t0, 1)
+    )
     return storm, result

@@ -1,7 +1,8 @@
 """The kill storm (tests/integration/storm.py): two node supervisors, two workers and a trainer on one run under
-random SIGKILL/SIGTERM and rescaling, then an audit of the run directory; once with a one-process trainer, once with
-a two-rank torchrun trainer (gloo on the CPU).  Then the audit itself is shown to fail: the stormed run is damaged
-in each way the audit checks, and each damage must be reported.
+random SIGKILL/SIGTERM and rescaling, then an audit of the run directory; once with a one-process trainer and
+streaming workers (``rollout.streaming``), once with a two-rank torchrun trainer (gloo on the CPU) and batch
+workers.  Then the audit itself is shown to fail: the stormed run is damaged in each way the audit checks, and each
+damage must be reported.
 
 The seed is printed first (``-s`` shows it, and a failure message repeats it); ``SHARDRL_STORM_SEED`` replays one,
 ``python bench/chaos.py --seed S --ranks R`` runs the same storm outside pytest, as long as asked.
@@ -29,16 +30,18 @@ from .storm import Audit, Storm, StormSpec, audit, make_storm_run, run_storm, su
 pytestmark = pytest.mark.slow
 
 
-def _storm(ranks: int, root: Path) -> tuple[Storm, Audit]:
+def _storm(ranks: int, root: Path, *, streaming: bool = False) -> tuple[Storm, Audit]:
     seed = int(os.environ.get("SHARDRL_STORM_SEED", 1000 + ranks))
-    storm, result = run_storm(StormSpec(seed=seed, root=root, ranks=ranks))
+    storm, result = run_storm(StormSpec(seed=seed, root=root, ranks=ranks, streaming=streaming))
     print(json.dumps(result.figures))
     return storm, result
 
 
 @pytest.fixture(scope="module")
 def one_process_storm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Storm, Audit]:
-    return _storm(1, tmp_path_factory.mktemp("storm") / "run")
+    # the streaming workers (rollout.streaming) take this storm: their groups in flight, scoring processes and
+    # in-flight weight updates must keep every guarantee the audit checks, as the batch workers of the other do
+    return _storm(1, tmp_path_factory.mktemp("storm") / "run", streaming=True)
 
 
 def _assert_clean(result: Audit) -> None:

@@ -86,7 +86,7 @@ def test_requests_join_and_finish_one_by_one(engine: Any, tiny_model_untied: Pat
     for c in (first["short"], rest["late"], rest["long"]):
         ref = reference_segments({0: model}, c, [0] * len(c.response_ids))
         assert max(abs(a - b) for a, b in zip(c.response_logprobs, ref, strict=True)) < TOL
-        assert c.token_versions is None
+        assert c.token_versions == [engine.version] * len(c.response_ids)
 
 
 def test_a_weight_update_lands_mid_response_and_every_token_keeps_its_version(
@@ -110,7 +110,8 @@ def test_a_weight_update_lands_mid_response_and_every_token_keeps_its_version(
     models = {0: hf_model(tiny_model_untied), 1: hf_model(new_dir)}
     spanned = 0
     for c in got.values():
-        versions = c.token_versions or [engine.version] * len(c.response_ids)
+        versions = c.token_versions
+        assert versions is not None
         assert len(versions) == len(c.response_ids) == 200
         assert versions == sorted(versions)  # the old version's tokens, then the new one's
         spanned += len(set(versions)) == 2

@@ -156,7 +156,7 @@ def test_multiturn_shard_round_trip_to_the_trainers_batch(tmp_path: Path, tokeni
     path = w.flush()
     assert path is not None
     table = shards.read_shard(path, vocab_size=len(tokenizer))
-    assert table.schema.metadata[META_SAMPLE_VERSION] == b"2"
+    assert table.schema.metadata[META_SAMPLE_VERSION] == b"3"
     samples = _samples(table, path.name)
     assert [s.loss_mask for s in samples] == [r["loss_mask"] for r in rows]
     for packed in (False, True):
@@ -219,7 +219,7 @@ def test_single_turn_shards_old_and_new_still_validate() -> None:
     old = old.replace_schema_metadata(meta)
     assert shards.schema_problem(old.schema) is None and multiturn_problem(old) is None
     assert _samples(old)[0].loss_mask is None
-    future = new.replace_schema_metadata({**(new.schema.metadata or {}), META_SAMPLE_VERSION: b"3"})
+    future = new.replace_schema_metadata({**(new.schema.metadata or {}), META_SAMPLE_VERSION: b"4"})
     assert "sample version" in (shards.schema_problem(future.schema) or "")
 
 

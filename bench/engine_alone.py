@@ -1,0 +1,94 @@
+"""The streaming engine by itself: the output tokens/s a rollout worker's engine can reach, the limit
+``bench/e2e.py --engine-alone`` judges the workers against.
+
+    python bench/engine_alone.py --model PATH --engine vllm --samples 1024 --in-flight 128 \\
+        --lengths loguniform --min-response-length 16 --max-response-length 1024
+
+The demo task's prompts (encoded as the workers encode them, without a chat template), ``--in-flight`` requests
+kept in the engine at all times, each with its own length when ``--lengths loguniform`` (EOS ignored, as the
+workers do then).  The first ``--in-flight`` samples are the warm-up and are not timed.  Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout_worker.engines import SamplingSpec, make_streaming_engine
+from rollout_worker.streaming import LengthDraw
+from rollout_worker.tasks import task_prompts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
+    p.add_argument("--samples", type=int, default=1024)
+    p.add_argument("--in-flight", type=int, default=128)
+    p.add_argument("--lengths", default="natural", choices=["natural", "loguniform"])
+    p.add_argument("--min-response-length", type=int, default=16)
+    p.add_argument("--max-response-length", type=int, default=1024)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    args = p.parse_args()
+    import torch
+    from transformers import AutoTokenizer
+
+    from buffer.config import resolve_dtype
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = [tok(q.text)["input_ids"] for q in task_prompts("max_digit")]
+    longest = max(len(x) for x in prompts)
+    engine = make_streaming_engine(
+        args.engine,
+        Path(args.model),
+        dtype=resolve_dtype(args.dtype, cuda=torch.cuda.is_available()),
+        max_model_len=args.max_model_len or longest + args.max_response_length + 8,
+        vllm_options={"cpu_kvcache_space_gib": 2},
+        max_batch_size=args.in_flight,
+    )
+    draw = LengthDraw(args.min_response_length, args.max_response_length, random.Random(0))
+    rng = random.Random(1)
+
+    def spec() -> SamplingSpec:
+        if args.lengths == "loguniform":
+            return SamplingSpec(temperature=1.0, max_tokens=draw(), ignore_eos=True, seed=rng.getrandbits(31))
+        return SamplingSpec(temperature=1.0, max_tokens=args.max_response_length, seed=rng.getrandbits(31))
+
+    submitted = done = 0
+    tokens, t0 = 0, None
+    while done < args.samples:
+        while submitted < args.samples and submitted - done < args.in_flight:
+            engine.submit(str(submitted), prompts[submitted % len(prompts)], spec())
+            submitted += 1
+        for _, c in engine.finished(0.05):
+            done += 1
+            if t0 is not None:
+                tokens += len(c.response_ids)
+            elif done >= args.in_flight:
+                t0 = time.perf_counter()
+    seconds = time.perf_counter() - (t0 or time.perf_counter())
+    engine.close()
+    print(
+        json.dumps(
+            {
+                "tokens_per_s": tokens / seconds if seconds > 0 else None,
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "samples": args.samples,
+                "in_flight": args.in_flight,
+                "engine": args.engine,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""Environments of PRIME-RL's ``verifiers`` library (0.4, its ``verifiers.v1`` API) as rollout episodes: each
+rollout runs against the worker's own chat endpoint, and its rows are scored by the environment's rubric.
+
+Installed by the ``verifiers`` extra (``pip install -e '.[cpu,dev,verifiers]'``); importing this module imports
+nothing of verifiers, which is loaded when a ``VerifiersTask`` is built.
+
+Which environment.  ``load_env(spec, args)``: a ``package.module:function`` is called with ``args`` and must return a
+``verifiers.v1.Env``; any other ``spec`` is a taskset id, and ``args`` is the rest of the environment's config (the
+``[env]`` block of ``vf-eval``, e.g. ``{"agent": {"runtime": {"type": "subprocess"}, "max_turns": 4}}``), loaded as
+``vf.load_environment(vf.resolve_env_config(...))`` does.  verifiers' own defaults hold: the agent's program is the
+taskset's harness (else ``bash``), run in the runtime that ``agent.runtime`` names (a remote ``prime`` sandbox
+unless it is set; ``subprocess`` runs it on the worker's node).
+
+One episode.  ``VerifiersTask`` is an ``agent.AgentTask`` whose agent, for each episode, runs
+``env.run_episode(task, ctx)`` on one event loop that holds ``env.serving()`` (its interception server and shared
+tool servers) for the task's life.  ``ctx`` points verifiers' eval client at the episode's base URL, so the chain is
+harness -> verifiers' interception server -> the worker's endpoint, which records every call as ids and logprobs;
+the rows are built from those records exactly as for any agent (``calls``), never from verifiers' transcript.
+
+Prompts.  ``prompts()`` gives the taskset's tasks as rollout prompts: ``index`` is the task's position in the taskset,
+``extra["verifiers_task"]`` its key, which the episode checks, so that a prompt from another source is refused.
+
+Scoring.  Every row of an episode gets its trace's reward, ``Trace.reward``: the weighted sum of the task's
+``@vf.reward`` functions and plugged rewards and judges, as verifiers scored the trace (a stopped trace, e.g. at
+``agent.max_turns``, is scored on what it has).  The run's ``reward.function`` and ``reward.truncated_reward`` are not
+used.  The ``episode`` record adds ``verifiers``: the trace id, each reward and metric, the stop condition.  An
+episode that failed in verifiers (the harness crashed, a setup or scoring hook raised, a call the endpoint refused
+for a limit: set verifiers' own ``agent.max_turns`` / ``max_output_tokens`` within ``env.max_turns`` and the token
+limits so that verifiers ends the trace itself) gets 0, with verifiers' error in the record, as a failing agent does.
+
+Covered of verifiers 0.4: tasksets (``Taskset``/``Task``/``TaskData``, finite or cut by ``max_tasks``) with their
+rewards, metrics, judges, ``@vf.stop`` and ``@vf.intercept`` hooks, per-rollout and shared ``Toolset`` MCP servers,
+any harness that speaks Chat Completions (``null``, ``bash`` and other chat programs), any runtime, ``Env``
+subclasses that run one agent per episode.  Not covered: episodes with several agent runs (multi-agent envs,
+``best-of-n``; refused, since their calls would share one sample), verifiers' episode retries (``env.retries``: a
+retried attempt's calls would join the samples; ``run_episode`` is run once), harnesses that speak the Responses or
+Anthropic Messages APIs (the endpoint serves Chat Completions only; their calls fail), verifiers' ``TrainClient``
+(the endpoint does the tokenising), ``Env.finalize`` rewards recorded on the episode rather than a trace, and
+verifiers' GEPA, eval runner and env server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from buffer.config import ConfigError, ShardRLConfig
+
+from ..engines.base import SamplingSpec
+from ..prompts import EncodedPrompt, Prompt
+from ..scoring import ScoredBatch
+from .agent import AgentRun, AgentTask
+from .endpoint import Complete
+
+TASK_KEY = "verifiers_task"  # the Prompt.extra field that names the task
+# The eval client reads its API key from this variable: unset, it sends "EMPTY" (the endpoint needs none), and
+# verifiers' fallback to a Prime Intellect account's key (for its default variable) never applies.
+API_KEY_VAR = "SHARDRL_VERIFIERS_API_KEY"
+
+
+class VerifiersConfigError(ConfigError):
+    """A verifiers environment that cannot be loaded or run here; the message is one line."""
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip().splitlines()[0][:500]
+
+
+def _verifiers() -> Any:
+    try:
+        import verifiers.v1 as vf
+    except ImportError as e:
+        raise VerifiersConfigError(
+            f"verifiers environments need the verifiers package ({e}); install shardrl's `verifiers` extra"
+        ) from None
+    return vf
+
+
+def load_env(spec: str, args: Mapping[str, Any] | None = None) -> Any:
+    """The ``verifiers.v1.Env`` that ``spec`` names (module doc), or a one-line VerifiersConfigError."""
+    vf = _verifiers()
+    args = dict(args or {})
+    at = f"verifiers environment {spec!r}"
+    try:
+        if ":" in spec:
+            module_name, _, attr = spec.partition(":")
+            fn = getattr(importlib.import_module(module_name), attr, None)
+            if not callable(fn):
+                raise VerifiersConfigError(f"{at}: {module_name!r} has no function {attr!r}")
+            env = fn(**args)
+        else:
+            taskset = {**dict(args.pop("taskset", None) or {}), "id": spec}
+            env = vf.load_environment(vf.resolve_env_config({**args, "taskset": taskset}))
+    except VerifiersConfigError:
+        raise
+    except Exception as e:
+        raise VerifiersConfigError(f"{at}: cannot load it ({_one_line(e)})") from None
+    if not isinstance(env, vf.Env):
+        raise VerifiersConfigError(f"{at}: got {type(env).__name__}, expected a verifiers.v1.Env")
+    return env
+
+
+def task_prompt(index: int, task: Any) -> Prompt:
+    """A verifiers task as a rollout prompt (what the worker's prompt-side code and the row's columns see)."""
+    data = task.data
+    messages = [{"role": "system", "content": data.system_prompt}] if data.system_prompt else []
+    if isinstance(data.prompt, str):
+        messages.append({"role": "user", "content": data.prompt})
+    else:
+        messages += [_message(m) for m in data.prompt or []]
+    answer = getattr(data, "answer", None)
+    return Prompt(
+        index,
+        data.prompt_text,
+        None if answer is None else str(answer),
+        tuple(messages),
+        {TASK_KEY: task.key},
+    )
+
+
+def _message(m: Any) -> dict[str, Any]:
+    from verifiers.v1.types import content_text
+
+    return {"role": m.role, "content": content_text(getattr(m, "content", None))}
+
+
+class _Loop:
+    """One event loop in a thread of its own, holding ``env.serving()`` from ``start()`` to ``close()``.
+
+    verifiers' servers belong to the loop that started them, and the agents of ``AgentTask`` run in threads, so
+    every episode is handed to this loop and waited for."""
+
+    def __init__(self, env: Any):
+        self.env = env
+        self.loop = asyncio.new_event_loop()
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._serving: Future[None] | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="verifiers-loop")
+        self._thread.start()
+        ready: Future[None] = Future()
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(ready), self.loop)
+        self._serving.add_done_callback(lambda f: ready.done() or ready.set_exception(_failure(f)))
+        ready.result()
+
+    async def _serve(self, ready: Future[None]) -> None:
+        self._stop = asyncio.Event()
+        async with self.env.serving():  # entered and left in this one task, as its servers' scopes require
+            ready.set_result(None)
+            await self._stop.wait()
+
+    def submit(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        if self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+        if self._serving is not None:
+            try:
+                self._serving.result(timeout=60)
+            except Exception:
+                pass  # a teardown failure must not hide what the run did
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self._thread = None
+
+
+def _failure(f: Future[None]) -> BaseException:
+    e = f.exception() if not f.cancelled() else None
+    return e if e is not None else RuntimeError("verifiers' serving context ended before it was ready")
+
+
+class VerifiersTask(AgentTask):
+    """Episodes of a verifiers environment against the task's own endpoint, scored by its rubric (module doc).
+
+    ``env`` is a loaded ``verifiers.v1.Env`` or a ``load_env`` spec (with ``env_args``).  The run's ``env``
+    section gives the limits and ``agent_timeout_s``; ``env.agent`` and ``env.tools`` are ignored.  ``model`` is the
+    model name the harness is told (what the endpoint answers to), ``sampling`` verifiers' sampling overrides put on
+    every request (the endpoint samples with the run's ``rollout.sampling`` whatever they say).
+    """
+
+    def __init__(
+        self,
+        cfg: ShardRLConfig,
+        tokenizer: Any,
+        env: Any,
+        *,
+        env_args: Mapping[str, Any] | None = None,
+        max_tasks: int | None = None,
+        model: str = "policy",
+        sampling: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        vf = _verifiers()
+        self.env = load_env(env, env_args) if isinstance(env, str) else env
+        taskset = self.env.taskset
+        if max_tasks is None and not taskset.bounded:
+            raise VerifiersConfigError(
+                f"verifiers environment {self.env.config.env_id!r}: the taskset is infinite; pass max_tasks"
+            )
+        self.tasks = list(itertools.islice(taskset, max_tasks))
+        # AgentTask runs the agent its config names; ours is a method, put in place once the base is built.
+        agent_cfg = cfg.model_copy(
+            update={"env": cfg.env.model_copy(update={"agent": f"{__name__}:{_unbound.__name__}", "tools": []})}
+        )
+        super().__init__(agent_cfg, tokenizer, chat_template=chat_template, host=host, port=port)
+        self.name = f"verifiers:{self.env.config.env_id}"
+        self.agent = self._play
+        self.model = model
+        self.sampling = vf.Sampling.model_validate(dict(sampling or {}))
+        self._loop = _Loop(self.env)
+        self._episodes: dict[str, Any] = {}  # base URL -> the verifiers episode it ran
+        self._lock = threading.Lock()
+
+    def prompts(self) -> list[Prompt]:
+        """The taskset's tasks as rollout prompts, in taskset order (module doc)."""
+        return [task_prompt(i, t) for i, t in enumerate(self.tasks)]
+
+    def run_batch(
+        self,
+        complete: Complete,
+        prompts: Sequence[EncodedPrompt],
+        sampling: SamplingSpec,
+        version: Callable[[], int],
+        *,
+        group_prefix: str,
+        epoch: int = 0,
+    ) -> tuple[ScoredBatch, int]:
+        """As ``AgentTask.run_batch``, with the environment's servers up (started at the first batch)."""
+        self._loop.start()
+        try:
+            return super().run_batch(
+                complete, prompts, sampling, version, group_prefix=group_prefix, epoch=epoch
+            )
+        finally:
+            with self._lock:
+                self._episodes.clear()
+
+    def close(self) -> None:
+        self._loop.close()
+        super().close()
+
+    # ------------------------------------------------------------------------------------------ one episode
+
+    def _task(self, row: dict[str, Any]) -> Any:
+        i, key = row["index"], row["extra"].get(TASK_KEY)
+        if not 0 <= i < len(self.tasks) or (key is not None and key != self.tasks[i].key):
+            raise ValueError(
+                f"prompt {i} is not task {i} of {self.name} ({len(self.tasks)} tasks); its prompts come from "
+                "VerifiersTask.prompts()"
+            )
+        return self.tasks[i]
+
+    def _play(self, base_url: str, row: dict[str, Any]) -> str | None:
+        """The agent of one episode: the verifiers episode of the row's task, with the model behind ``base_url``."""
+        vf = _verifiers()
+        client = vf.EvalClientConfig(base_url=base_url, api_key_var=API_KEY_VAR)
+        ctx = vf.ModelContext(model=self.model, client=client, sampling=self.sampling)
+        running = self._loop.submit(self.env.run_episode(self._task(row), ctx))
+        try:
+            episode = running.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            running.cancel()  # verifiers tears the rollout's runtime and servers down
+            raise
+        with self._lock:
+            self._episodes[base_url] = episode
+        if len(episode.traces) != 1:
+            raise ValueError(
+                f"the episode ran {len(episode.traces)} agents; only episodes of one agent run are trained"
+            )
+        (trace,) = episode.traces
+        error = episode.last_error or trace.last_error
+        if error is not None or not trace.ok:
+            raise RuntimeError(
+                f"verifiers: {error.type}: {error.message}" if error else "verifiers: the trace failed"
+            )
+        return str(trace.last_reply)
+
+    def _reward(self, run: AgentRun, finish: str, record: dict[str, Any]) -> float:
+        """The trace's reward, as verifiers' rubric scored it (module doc)."""
+        with self._lock:
+            episode = self._episodes.get(self.endpoint.base_url(run.episode_id))
+        if episode is None:  # the agent returned, so its episode was stored
+            record["reward_error"] = "no verifiers episode was recorded"
+            return 0.0
+        (trace,) = episode.traces
+        answered = sum(1 for c in trace.calls if c.error is None)
+        record["verifiers"] = {
+            "trace": trace.id,
+            "rewards": {k: None if r is None else r.value for k, r in trace.rewards.items()},
+            "metrics": dict(trace.metrics),
+            "stop": trace.stop_condition,
+            "turns": trace.num_turns,
+        }
+        calls = len(self._log(run).exchanges)
+        if answered != calls:  # then the rows hold calls the rubric did not score, or lack some it did
+            record["reward_error"] = f"verifiers recorded {answered} answered calls, the endpoint {calls}"
+            return 0.0
+        return float(trace.reward)
+
+
+def _unbound(base_url: str, row: dict[str, Any]) -> str | None:
+    """What a config's ``env.agent`` names while a ``VerifiersTask`` is built; the task replaces it with its own."""
+    raise RuntimeError("rollout_worker.envs.verifiers_env runs its episodes through VerifiersTask")

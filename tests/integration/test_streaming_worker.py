@@ -1,0 +1,155 @@
+"""Streaming rollout workers (``rollout.streaming``) as real processes: the transformers streaming engine on the
+tiny model, a real run directory, real scoring processes.
+
+- The backlog bound holds per group: with nobody consuming, the worker stops with at most one group past the bound
+  (a batch worker may pass it by a batch and what it buffered).
+- A weight version published while responses are half generated is loaded under them: the shards then hold samples
+  whose ``token_versions`` name both versions, with ``policy_version`` the oldest, and they validate.
+- A reward function that hangs or kills its process costs only the sample it was scoring (0.0, counted), never the
+  worker, which keeps publishing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from buffer import shards
+from buffer.run import Run
+from buffer.weights import commit_version, staging_dir
+
+from ._rollout_helpers import make_run, ready_rows, spawn, stop, wait_for, worker
+from .test_engines import write_perturbed
+
+N = 4
+pytestmark = pytest.mark.slow
+
+
+def _run(root: Path, model: Path, **rollout: Any) -> Run:
+    reward = rollout.pop("reward", {"function": "max_digit"})
+    sampling = {"n": N, "max_response_length": 8, **rollout.pop("sampling", {})}
+    return make_run(
+        root,
+        model,
+        rollout={
+            "engine": "hf",
+            "streaming": True,
+            "prompts_per_batch": 2,
+            "shard_samples": 8,
+            "flush_interval_s": 0.5,
+            "weights_poll_s": 0.2,
+            "threads_per_worker": 1,
+            "max_staleness": 1000,
+            "max_backlog_samples": 1_000_000,
+            "sampling": sampling,
+            **rollout,
+        },
+        reward=reward,
+        trainer={"max_staleness": 1000, "samples_per_step": 8},
+        run={"heartbeat_interval_s": 0.5},
+    )
+
+
+def _worker(run: Run, log: Path) -> subprocess.Popen:
+    return spawn(["rollout_worker.worker", "--run", str(run.layout.root), "--slot", "0"], log)
+
+
+def _ready(run: Run) -> int:
+    return shards.ready_sample_count(shards.list_ready(run.layout))
+
+
+def _publish(run: Run, src: Path, version: int) -> None:
+    """A real weight version (perturbed copy of the base), committed as the trainer commits one."""
+    staging = staging_dir(run.layout, version)
+    for f in src.iterdir():
+        shutil.copy(f, staging / f.name)
+    commit_version(run.layout, version, staging, step=version, dtype="float32")
+
+
+def test_the_backlog_bound_holds_to_a_group(tmp_path: Path, tiny_model_untied: Path) -> None:
+    bound = 24
+    run = _run(tmp_path / "run", tiny_model_untied, max_backlog_samples=bound, max_in_flight=4 * N)
+    log = tmp_path / "w0.log"
+    w = _worker(run, log)
+    try:
+        wait_for("paused at the backlog", lambda: worker(run, "w0").get("paused_reason") == "backlog", 180)
+        wait_for("everything published", lambda: worker(run, "w0").get("in_flight") == 0, 30)
+        held = _ready(run)
+        # it starts a group only while what is coming is within the bound: at most one group past it
+        assert bound < held <= bound + N, held
+        rec = worker(run, "w0")
+        assert rec["state"] == "paused" and rec["engine_busy"] is not None
+    finally:
+        stop(w)
+    assert w.returncode == 0, log.read_text()[-3000:]
+
+
+def test_weights_change_under_requests_in_flight(tmp_path: Path, tiny_model_untied: Path) -> None:
+    run = _run(
+        tmp_path / "run",
+        tiny_model_untied,
+        max_backlog_samples=64,
+        sampling={"max_response_length": 96, "lengths": "loguniform", "min_response_length": 48},
+    )
+    new = write_perturbed(tiny_model_untied, tmp_path / "v1", tied=False)
+    log = tmp_path / "w0.log"
+    w = _worker(run, log)
+    try:
+        wait_for("generating", lambda: (worker(run, "w0").get("requests_in_flight") or 0) > 0, 180)
+        _publish(run, new, 1)
+        wait_for("v1 loaded", lambda: worker(run, "w0").get("weights_version") == 1, 60)
+        wait_for("paused at the backlog", lambda: worker(run, "w0").get("paused_reason") == "backlog", 120)
+    finally:
+        stop(w)
+    assert w.returncode == 0, log.read_text()[-3000:]
+    rows = ready_rows(run)  # every shard validated, token_versions included
+    mixed = [r for r in rows if r["token_versions"] is not None]
+    assert mixed, "no sample spans the weight update"
+    for r in mixed:
+        vs = r["token_versions"]
+        assert vs == sorted(vs) and set(vs) == {0, 1} and r["policy_version"] == 0
+        assert len(vs) == len(r["response_ids"])
+    assert {r["policy_version"] for r in rows} <= {0, 1}
+    assert worker(run, "w0")["reloads_in_flight"] >= 1
+
+
+@pytest.mark.parametrize("reward", ["hangs_on_seven", "dies_on_eight"])
+def test_a_hung_or_crashing_reward_costs_its_sample_not_the_worker(
+    reward: str, tmp_path: Path, tiny_model_untied: Path
+) -> None:
+    run = _run(
+        tmp_path / "run",
+        tiny_model_untied,
+        max_backlog_samples=10_000,
+        reward={"function": f"tests.integration._rollout_rewards:{reward}", "timeout_s": 1.0},
+    )
+    bad = "7" if reward == "hangs_on_seven" else "8"
+    log = tmp_path / "w0.log"
+    w = _worker(run, log)
+    try:
+        wait_for(
+            "a bad sample scored 0 and later ones published",
+            lambda: (worker(run, "w0").get("reward_timeouts") or 0) >= 2 and _ready(run) >= 80,
+            240,
+        )
+        assert worker(run, "w0")["state"] in ("running", "paused")
+    finally:
+        stop(w)
+    assert w.returncode == 0, log.read_text()[-3000:]
+    rows = ready_rows(run)
+    lost = [r for r in rows if r["answer"] == bad]
+    assert lost and all(r["reward"] == 0.0 for r in lost)
+    assert any(json.loads(r["extra"]).get("reward_note") for r in lost)
+    assert any(r["answer"] != bad for r in rows)
+
+
+def test_streaming_with_lora_is_refused_in_one_line(tmp_path: Path, tiny_model_untied: Path) -> None:
+    with pytest.raises(ValueError, match=r"rollout\.streaming = true with model\.lora\.rank = 4"):
+        make_run(
+            tmp_path / "run", tiny_model_untied, rollout={"streaming": True}, model={"lora": {"rank": 4}}
+        )
