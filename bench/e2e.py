@@ -194,6 +194,12 @@ class Shape:
             return UNBOUNDED
         return max(1, self.samples_per_step - self.batch) + (staleness - 1) * self.samples_per_step
 
+    def streaming_backlog(self, staleness: int) -> int:
+        """Streaming workers count their requests in flight as coming: a bound of one step would let them start
+        the next step's samples only once the last straggler of this one is in, idling the engine on the tail.
+        K + 1 steps leave the staleness bound (checked per group) to decide."""
+        return (staleness + 1) * self.samples_per_step
+
 
 def common_overrides(args: argparse.Namespace) -> dict[str, str]:
     o = {
@@ -237,7 +243,9 @@ def mode_overrides(
         "rollout.streaming": str(streaming).lower(),
         "rollout.max_staleness": str(staleness),
         "trainer.max_staleness": str(staleness),
-        "rollout.max_backlog_samples": str(shape.backlog(staleness)),
+        "rollout.max_backlog_samples": str(
+            shape.streaming_backlog(staleness) if streaming else shape.backlog(staleness)
+        ),
         "rollout.prompts_per_batch": str(shape.prompts_per_batch),
         "rollout.shard_samples": str(shape.batch),  # one shard per batch, published as soon as it is scored
         "trainer.samples_per_step": str(shape.samples_per_step),
@@ -649,14 +657,15 @@ def measure_mode(
         return {**head, "error": str(e).splitlines()[0]}
 
 
-def engine_alone(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
-    """The streaming engine by itself on the workers' device, prompts and lengths (``bench/engine_alone.py``)."""
+def engine_alone(args: argparse.Namespace, shape: Shape, model: Path) -> dict[str, Any]:
+    """The streaming engine by itself on the workers' device, prompts and lengths (``bench/engine_alone.py``), on
+    the model the modes ran (``model``: a run directory's resolved model)."""
     cfg = load_toml(demo_config(), mode_overrides(args, shape, 1, True))
     cmd = [
         *python(),
         str(Path(__file__).with_name("engine_alone.py")),
         "--model",
-        args.model or str(cfg.model.path),
+        str(model),
         "--engine",
         args.engine,
         "--samples",
@@ -724,7 +733,9 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = measure_mode(args, shape, base / f"run-{name}", bound, streaming)
             write_out(args, shape, results)  # what is measured so far survives an interrupted run
         if args.engine_alone:
-            results["engine_alone"] = engine_alone(args, shape)
+            first = args.mode_list[0][0]
+            model = Path(args.model) if args.model else base / f"run-{first}" / "base_model"
+            results["engine_alone"] = engine_alone(args, shape, model)
             add_engine_ratios(results)
             write_out(args, shape, results)
         print(table(results, ratios(results), ratios(results, "serial_estimate_samples_per_s")))

@@ -36,6 +36,11 @@ def main() -> int:
     p.add_argument("--max-response-length", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--batch",
+        action="store_true",
+        help="the batch engine instead: generate() calls of --in-flight samples, each with its own length",
+    )
     args = p.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -43,8 +48,10 @@ def main() -> int:
     from buffer.config import resolve_dtype
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = [tok(q.text)["input_ids"] for q in task_prompts("max_digit")]
+    prompts = [tok(q.prompt)["input_ids"] for q in task_prompts("max_digit")]
     longest = max(len(x) for x in prompts)
+    if args.batch:
+        return batch_alone(args, prompts, longest)
     engine = make_streaming_engine(
         args.engine,
         Path(args.model),
@@ -74,6 +81,53 @@ def main() -> int:
             elif done >= args.in_flight:
                 t0 = time.perf_counter()
     seconds = time.perf_counter() - (t0 or time.perf_counter())
+    timings = getattr(engine, "timings", None)
+    engine.close()
+    out = {
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "samples": args.samples,
+        "in_flight": args.in_flight,
+        "engine": f"{args.engine} streaming",
+    }
+    if timings is not None and timings.on:
+        out["timings"] = timings.report()
+    print(json.dumps(out))
+    return 0
+
+
+def batch_alone(args: argparse.Namespace, prompts: list[list[int]], longest: int) -> int:
+    """The batch engine on the same prompts and lengths: calls of ``--in-flight`` samples; the first is warm-up."""
+    import torch
+
+    from buffer.config import resolve_dtype
+    from rollout_worker.engines import make_engine
+
+    engine = make_engine(
+        args.engine,
+        Path(args.model),
+        dtype=resolve_dtype(args.dtype, cuda=torch.cuda.is_available()),
+        max_model_len=args.max_model_len or longest + args.max_response_length + 8,
+        vllm_options={"cpu_kvcache_space_gib": 2},
+    )
+    draw = LengthDraw(args.min_response_length, args.max_response_length, random.Random(0))
+    tokens, seconds, done, call = 0, 0.0, 0, 0
+    while done < args.samples:
+        batch = [prompts[(done + i) % len(prompts)] for i in range(args.in_flight)]
+        spec = SamplingSpec(temperature=1.0, max_tokens=args.max_response_length, seed=call)
+        if args.lengths == "loguniform":
+            each = [draw() for _ in batch]
+            spec = SamplingSpec(
+                temperature=1.0, max_tokens=max(each), seed=call, ignore_eos=True, max_tokens_each=each
+            )
+        start = time.perf_counter()
+        out = engine.generate(batch, spec)
+        if call > 0:
+            seconds += time.perf_counter() - start
+            tokens += sum(len(c.response_ids) for g in out for c in g)
+        done += len(batch)
+        call += 1
     engine.close()
     print(
         json.dumps(
@@ -82,8 +136,8 @@ def main() -> int:
                 "tokens": tokens,
                 "seconds": round(seconds, 3),
                 "samples": args.samples,
-                "in_flight": args.in_flight,
-                "engine": args.engine,
+                "batch": args.in_flight,
+                "engine": f"{args.engine} batch",
             }
         )
     )

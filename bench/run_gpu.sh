@@ -17,8 +17,9 @@
 #   buffer       shard I/O on the local disk
 #   e2e          bench/e2e.py, sync vs staleness 1 and 2: a random Qwen2.5-0.5B-shaped model with the demo's tokens,
 #                hf worker and trainer on GPUs of their own (trainer on GPU 0, worker on GPU 1) when there are two,
-#                both on GPU 0 when there is one.  E2E_WORKERS (1) workers share the worker GPU; E2E_MODES (sync,1,2);
-#                E2E_RESPONSE (32) response tokens
+#                both on GPU 0 when there is one.  E2E_WORKERS (1) workers share the worker GPU; E2E_MODES (sync,1,2;
+#                sK = streaming workers at bound K); E2E_RESPONSE (32) response tokens; E2E_LENGTHS=loguniform with
+#                E2E_MIN (16): long-tailed lengths; E2E_ALONE=1: the streaming engine alone too; E2E_STEPS (5); E2E_SAMPLES (1024) per step
 #   tests        the gpu-marked tests
 # Each section writes OUT_DIR/SECTION.txt; a section that fails or runs out of memory does not stop the others.
 set -u
@@ -60,7 +61,9 @@ for s in $SECTIONS; do
             DEV=cuda:$W; for ((i = 1; i < N; i++)); do DEV=$DEV,$W; done
             python bench/e2e.py --engine hf --shape qwen2.5-0.5b --set model.dtype=bfloat16 --trainer-device cuda:0 \
                 --worker-device "$DEV" --workers "$N" --modes "${E2E_MODES:-sync,1,2}" \
-                --response-length "${E2E_RESPONSE:-32}" --samples-per-step 1024 --steps 5 --out "$OUT/e2e_w$N.json" ;;
+                --response-length "${E2E_RESPONSE:-32}" --samples-per-step "${E2E_SAMPLES:-1024}" --steps "${E2E_STEPS:-5}" \
+                --lengths "${E2E_LENGTHS:-natural}" --min-response-length "${E2E_MIN:-16}" ${E2E_ALONE:+--engine-alone} \
+                --out "$OUT/e2e_w$N.json" ;;
         tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 ;;
         *) echo "unknown section $s" ;;
     esac 2>&1 | grep -v -i "warn" | tee -a "$OUT/$s.txt"

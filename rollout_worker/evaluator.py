@@ -5,8 +5,10 @@
 It runs beside the supervisor and the trainer (started by the same job or a separate one) and only reads what they
 publish, so it never holds the trainer up.  Each ``eval.every``-th version (and version 0, the base model, first with
 ``eval.base``) is verified against its manifest, loaded into the run's engine (vLLM, or transformers) and scored
-greedily (temperature 0) on the held-out prompts (``eval.prompts_file``, or the prompts of ``data.task``) with the
-run's reward function.  One record per version goes to RUN/metrics/eval.jsonl: ``version``, ``step``,
+greedily (temperature 0) on the held-out prompts (``eval.prompts_file``, else the held-out split of ``data.task`` where
+it has one, else the run's own prompts) with the run's reward function.  With ``env.tools`` each prompt is a whole
+episode, as the workers run it (``rollout_worker.envs``: the tools are called, every turn greedy, the episode's
+limits), scored on its last reply.  One record per version goes to RUN/metrics/eval.jsonl: ``version``, ``step``,
 ``reward_mean``, and ``accuracy`` (the fraction of responses scoring at least the task's full score; left out where
 no full score is defined).  A version that fails to verify or load is skipped with one log line.  Versions already
 in eval.jsonl are not scored again, so a restarted evaluator resumes.  ``--once`` scores what is due and the latest
@@ -19,11 +21,11 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from buffer import metrics
-from buffer.config import ShardRLConfig
+from buffer.config import DataConfig, ShardRLConfig
 from buffer.logs import logger
 from buffer.records import RecordError
 from buffer.run import Run
@@ -31,8 +33,11 @@ from buffer.status import read_finished
 from buffer.weights import WeightsError, latest_version, published_versions, verify_version
 from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import Engine, EngineError, SamplingSpec
+from rollout_worker.envs import ToolTask
+from rollout_worker.envs.episode import group_rows, run_episodes
 from rollout_worker.prompts import EncodedPrompt, Prompt, load_prompts, make_encoder
 from rollout_worker.rewards import REGISTRY, Scorer, make_scorer
+from rollout_worker.tasks import TOOL_TASKS, task_prompts
 
 log = logger("eval")
 EVAL_METRICS = "eval"  # RUN/metrics/eval.jsonl
@@ -42,12 +47,31 @@ EVAL_METRICS = "eval"  # RUN/metrics/eval.jsonl
 
 
 def eval_prompts(cfg: ShardRLConfig) -> list[Prompt]:
-    """The held-out prompts: ``eval.prompts_file`` (read like data.prompts_file), else the run's own prompts."""
+    """The held-out prompts: ``eval.prompts_file`` (read like data.prompts_file), else the held-out split of a
+    built-in task that has one (the tool task's codes never drawn in training), else the run's own prompts."""
     data = cfg.data
     if cfg.eval.prompts_file:
-        data = data.model_copy(update={"task": "file", "prompts_file": cfg.eval.prompts_file})
-    prompts = load_prompts(data)
+        prompts = load_prompts(
+            data.model_copy(update={"task": "file", "prompts_file": cfg.eval.prompts_file})
+        )
+    elif data.task in TOOL_TASKS:
+        prompts = _held_out(data)
+    else:
+        prompts = load_prompts(data)
     return prompts[: cfg.eval.max_prompts] if cfg.eval.max_prompts else prompts
+
+
+def _held_out(data: DataConfig) -> list[Prompt]:
+    """The held-out split of a built-in task, rendered as load_prompts renders the task's training prompts."""
+    out = []
+    for i, t in enumerate(task_prompts(data.task, split="eval")):
+        text = t.prompt if data.prompt_template is None else data.prompt_template.format(prompt=t.prompt)
+        messages = None
+        if data.chat_template:
+            system = [] if data.system_prompt is None else [{"role": "system", "content": data.system_prompt}]
+            messages = (*system, {"role": "user", "content": text})
+        out.append(Prompt(i, text, t.answer, messages))
+    return out
 
 
 def full_score(cfg: ShardRLConfig) -> float | None:
@@ -95,6 +119,7 @@ class Evaluator:
     engine: Engine
     prompts: list[EncodedPrompt]
     scorer: Scorer
+    tool_task: ToolTask | None = None  # with env.tools: the workers' episodes, run greedily
     serving: int = 0  # the version the engine holds (0: the base it was built on)
 
     def sampling(self) -> SamplingSpec:
@@ -128,12 +153,12 @@ class Evaluator:
         failed = 0
         for i in range(0, len(self.prompts), batch):
             chunk = self.prompts[i : i + batch]
-            outputs = self.engine.generate([p.ids for p in chunk], self.sampling())
-            for group in self.scorer.score_batch(chunk, outputs):
-                if group.rewards is None:
+            scored = self._episodes(chunk, version) if self.tool_task else self._responses(chunk)
+            for got in scored:
+                if got is None:
                     failed += 1
                 else:
-                    rewards.extend(group.rewards)
+                    rewards.extend(got)
         record: dict[str, Any] = {
             "version": version,
             **summarize(rewards, full_score(self.run.config)),
@@ -143,6 +168,27 @@ class Evaluator:
         if failed:
             record["reward_errors"] = failed
         return step, record
+
+    def _responses(self, chunk: list[EncodedPrompt]) -> list[list[float] | None]:
+        """One greedy response per prompt, scored: its reward, or None where the reward function failed."""
+        outputs = self.engine.generate([p.ids for p in chunk], self.sampling())
+        return [group.rewards for group in self.scorer.score_batch(chunk, outputs)]
+
+    def _episodes(self, chunk: list[EncodedPrompt], version: int) -> list[list[float] | None]:
+        """One greedy episode per prompt, run to its end as a worker runs it, scored on its last reply (a reward
+        function that fails scores 0 with the error in the row, as in training); None where it left no room."""
+        task = self.tool_task
+        assert task is not None
+        limits = task.limits
+        if self.run.config.eval.max_response_length:
+            limits = replace(limits, max_response=self.run.config.eval.max_response_length)
+        episodes = [task.episode(p.prompt) for p in chunk]
+        run_episodes(self.engine.generate, episodes, self.sampling(), limits, lambda: version)
+        out: list[list[float] | None] = []
+        for e, p in zip(episodes, chunk, strict=True):
+            rows, _ = group_rows([e], "eval", p.prompt)
+            out.append(None if rows is None else [float(rows[0]["reward"])])
+        return out
 
 
 def encode_prompts(run: Run, prompts: list[Prompt], tokenizer: Any) -> list[EncodedPrompt]:
@@ -212,7 +258,8 @@ def build(run: Run) -> Evaluator:
         vllm_options=vllm_options(run),
         lora_rank=cfg.model.lora.rank,
     )
-    return Evaluator(run, engine, encoded, scorer)
+    tool_task = ToolTask(cfg, tokenizer) if cfg.env.tools else None
+    return Evaluator(run, engine, encoded, scorer, tool_task)
 
 
 def run_evaluator(run: Run, *, once: bool = False) -> int:

@@ -161,6 +161,9 @@ class RolloutWorker:
         self.lengths: LengthDraw | None = None
         self.groups: GroupStream | None = None  # rollout.streaming: the groups in flight
         self.tool_task: ToolTask | None = None
+        self.agent_task: Any = None  # envs.agent.AgentTask when env.agent is set
+        # a thread-safe complete(prompt_ids, sampling) for episodes: a StreamCompleter (streaming) or a Batcher
+        self.complete: Any = None
         self.weights: WeightFollower | None = None
         self.batches = 0
         self.sink = metrics.wandb_sinks(run, f"rollout-{worker_id}")  # JSONL is written by _metrics itself
@@ -201,6 +204,10 @@ class RolloutWorker:
             if self.groups is not None:
                 with contextlib.suppress(Exception):
                     self.groups.scorer.close()
+            for closing in (self.agent_task, self.complete):
+                if hasattr(closing, "close"):
+                    with contextlib.suppress(Exception):
+                        closing.close()
             if self.engine is not None:
                 with contextlib.suppress(Exception):
                     self.engine.close()
@@ -268,6 +275,10 @@ class RolloutWorker:
         tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer_dir))
         self.stream = self._prompt_stream(prompts, tokenizer)
         self.tool_task = ToolTask(cfg, tokenizer) if cfg.env.tools else None
+        if cfg.env.agent:
+            from rollout_worker.envs.agent import AgentTask
+
+            self.agent_task = AgentTask(cfg, tokenizer)
         self.reward_model = None
         if cfg.reward.reward_model:
             from rollout_worker.rewards import RewardModel
@@ -277,6 +288,7 @@ class RolloutWorker:
         self.life.phase = "loading"
         self._set(state="loading")
         start = time.monotonic()
+        episodes = self.tool_task is not None or self.agent_task is not None
         if cfg.rollout.streaming:
             self.engine = make_streaming_engine(
                 kind,
@@ -288,7 +300,12 @@ class RolloutWorker:
                 lora_rank=cfg.model.lora.rank,
                 max_batch_size=self._max_in_flight(),
             )
-            self.groups = self._group_stream()
+            if episodes:  # each episode at its own pace, its turns requests of their own
+                from rollout_worker.engines.completer import StreamCompleter
+
+                self.complete = StreamCompleter(self.engine)
+            else:
+                self.groups = self._group_stream()
         else:
             self.engine = make_engine(
                 kind,
@@ -298,6 +315,12 @@ class RolloutWorker:
                 max_model_len=max_model_len(self.run),
                 vllm_options=vllm_options(self.run),
                 lora_rank=cfg.model.lora.rank,
+            )
+        if self.agent_task is not None and self.complete is None:  # its calls, from many threads, batched
+            from rollout_worker.envs.endpoint import Batcher
+
+            self.complete = Batcher(
+                self.engine.generate, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
             )
         self.life.install_signal_handlers()  # an engine library may have replaced them while starting
         self.life.watch_engine()
@@ -360,7 +383,9 @@ class RolloutWorker:
             dropped_too_long=self.stream.skipped_too_long,
         )
         start = time.monotonic()
-        if self.tool_task is not None:  # multi-turn: the episodes' own loop generates, runs tools and scores
+        if (
+            self.tool_task is not None or self.agent_task is not None
+        ):  # multi-turn: episodes generate and score
             scored, generated = self._episodes(prompts, version)
             seconds = max(time.monotonic() - start, 1e-9)
         else:
@@ -420,14 +445,29 @@ class RolloutWorker:
         )
 
     def _episodes(self, prompts: list[EncodedPrompt], version: int) -> tuple[ScoredBatch, int]:
+        prefix = f"{self.worker_id}.{self.incarnation}.{self.batches}"
+        # a batch engine's weights change between batches only; a streaming engine's may change under a turn, and
+        # its completions then say which version drew each token
+        current = (lambda: self.engine.version) if self.cfg.rollout.streaming else (lambda: version)
+        if self.agent_task is not None:
+            return self.agent_task.run_batch(  # type: ignore[no-any-return]
+                self.complete,
+                prompts,
+                self._sampling(),
+                current,
+                group_prefix=prefix,
+                epoch=self.stream.epoch,
+            )
         assert self.tool_task is not None
+        streaming = self.cfg.rollout.streaming
         return self.tool_task.run_batch(
-            self.engine.generate,
+            None if streaming else self.engine.generate,
             prompts,
             self._sampling(),
-            lambda: version,  # weights change between batches only
-            group_prefix=f"{self.worker_id}.{self.incarnation}.{self.batches}",
+            current,
+            group_prefix=prefix,
             epoch=self.stream.epoch,
+            complete=self.complete if streaming else None,
         )
 
     def _count(self, scored: ScoredBatch, tokens_per_s: float) -> None:
@@ -495,14 +535,18 @@ class RolloutWorker:
             reason = self._admit(view, view.coming + started_since * r.sampling.n)
             if reason is None:
                 started_since += self._start_groups(view, view.coming + started_since * r.sampling.n)
-            meter.tick(paused=reason is not None)
-            if reason is not None and not g.groups:
+            # paused: nothing may start and nothing is generating (a bound holds the engine idle); while requests
+            # run the worker is running, whether or not it may start more
+            idle = reason is not None and g.generating == 0
+            meter.tick(paused=idle)
+            if idle and not g.groups:
+                assert reason is not None
                 self._pause(reason, **({"backlog": view.backlog} if reason == "backlog" else {}))
                 view = None
                 continue
             self._streamed(g.poll(STREAM_POLL_S, epoch=self.stream.epoch), meter)
             self._publish()
-            self._stream_status(meter, state="running" if reason is None else "paused", reason=reason)
+            self._stream_status(meter, state="paused" if idle else "running", reason=reason if idle else None)
         self._drain_stream(meter)
 
     def _admit(self, view: Any, coming: int) -> str | None:

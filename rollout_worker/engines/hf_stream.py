@@ -19,8 +19,11 @@ batch engine is), since which rows share a step depends on timing.
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +42,40 @@ from rollout_worker.engines.hf import HFEngine, process_logits
 
 if TYPE_CHECKING:
     import torch
+
+JOIN_STEPS = 8  # a joining row waits at most this many decode steps
+
+
+class Timings:
+    """Where the decode loop's time goes, by phase (``SHARDRL_ENGINE_TIMINGS=1``: each phase waits for the device,
+    so the figures are exact and the loop a little slower; otherwise nothing is timed)."""
+
+    def __init__(self, device: Any) -> None:
+        self.on = os.environ.get("SHARDRL_ENGINE_TIMINGS") == "1"
+        self.device = device
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.steps = 0
+        self.rows = 0  # rows decoded, summed over steps: rows / steps is the mean batch
+
+    @contextlib.contextmanager
+    def time(self, phase: str) -> Iterator[None]:
+        if not self.on:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        self.seconds[phase] += time.perf_counter() - start
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "mean_batch": self.rows / self.steps if self.steps else None,
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+        }
 
 
 @dataclass
@@ -99,6 +136,8 @@ class StreamingHFEngine:
         self._updates = 0
         self._error: BaseException | None = None
         self._closing = False
+        self._waited = 0  # decode steps the first joining row has waited
+        self.timings = Timings(self.hf.device)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="hf-stream")
         self._thread.start()
 
@@ -201,7 +240,7 @@ class StreamingHFEngine:
             if self._closing:
                 return False
             staged, self._staged = self._staged, None
-            joining = [self._joining.popleft() for _ in range(min(len(self._joining), self._room()))]
+            joining = self._admit()
             aborted, self._aborted = self._aborted, set()
         if aborted:
             self._drop([i for i, r in enumerate(self._rows) if r.key in aborted])
@@ -222,6 +261,20 @@ class StreamingHFEngine:
     def _room(self) -> int:
         return max(0, self.max_batch_size - len(self._rows))
 
+    def _admit(self) -> list[_Row]:
+        """The joining rows to prefill now.  A join costs a prefill and a copy of the whole cache, so rows join a
+        few at a time: once enough wait (a sixteenth of the batch), or they have waited JOIN_STEPS decode steps,
+        or nothing else runs."""
+        room = self._room()
+        waiting = min(len(self._joining), room)
+        self._waited = self._waited + 1 if waiting else 0
+        if not waiting or not (
+            not self._rows or waiting >= max(1, self.max_batch_size // 16) or self._waited >= JOIN_STEPS
+        ):
+            return []
+        self._waited = 0
+        return [self._joining.popleft() for _ in range(waiting)]
+
     def _swap(self, state: dict[str, Any], version: int) -> None:
         self._clock.set(paused=True)
         try:
@@ -235,18 +288,28 @@ class StreamingHFEngine:
     def _step(self, joining: list[_Row]) -> None:
         import torch
 
+        timed = self.timings.time
         logits = []
         if self._rows:
-            logits.append(self._decode())
+            with timed("decode"):
+                logits.append(self._decode())
         new_cache = new_mask = None
         if joining:
-            new_logits, new_cache, new_mask = self._prefill(joining)
+            with timed("prefill"):
+                new_logits, new_cache, new_mask = self._prefill(joining)
             logits.append(new_logits)
         rows = self._rows + joining
-        self._sample(rows, torch.cat(logits))
-        self._cache, self._mask = _merge(self._cache, self._mask, new_cache, new_mask, self.hf.model.config)
+        with timed("sample"):
+            self._sample(rows, torch.cat(logits))
+        with timed("merge"):
+            self._cache, self._mask = _merge(
+                self._cache, self._mask, new_cache, new_mask, self.hf.model.config
+            )
         self._rows = rows
-        self._drop([i for i, r in enumerate(rows) if self._finished(r)], emit=True)
+        with timed("drop"):
+            self._drop([i for i, r in enumerate(rows) if self._finished(r)], emit=True)
+        self.timings.steps += 1
+        self.timings.rows += len(rows)
 
     def _decode(self) -> torch.Tensor:
         import torch
@@ -254,9 +317,10 @@ class StreamingHFEngine:
         assert self._mask is not None
         self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._rows), 1))], dim=-1)
         last = torch.tensor([r.ids[-1] for r in self._rows], device=self.hf.device)[:, None]
-        positions = torch.tensor([len(r.sequence) - 1 for r in self._rows], device=self.hf.device)[:, None]
+        positions = [len(r.prompt_ids) + len(r.ids) - 1 for r in self._rows]
+        positions_t = torch.tensor(positions, device=self.hf.device)[:, None]
         out = self.hf.model(
-            input_ids=last, attention_mask=self._mask, position_ids=positions, past_key_values=self._cache
+            input_ids=last, attention_mask=self._mask, position_ids=positions_t, past_key_values=self._cache
         )
         return out.logits[:, -1, :].float()
 

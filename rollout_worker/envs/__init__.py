@@ -62,7 +62,7 @@ class ToolTask:
 
     def run_batch(
         self,
-        generate: Generate,
+        generate: Generate | None,
         prompts: Sequence[EncodedPrompt],
         sampling: SamplingSpec,
         version: Callable[[], int],
@@ -85,6 +85,7 @@ class ToolTask:
         if complete is not None:
             run_episodes_in_flight(complete, flat, sampling, self.limits, version)
         else:
+            assert generate is not None, "run_batch needs generate or complete"
             run_episodes(generate, flat, sampling, self.limits, version)
         out = ScoredBatch()
         for i, (g, p) in enumerate(zip(groups, prompts, strict=True)):

@@ -4,44 +4,52 @@ rollout runs against the worker's own chat endpoint, and its rows are scored by 
 Installed by the ``verifiers`` extra (``pip install -e '.[cpu,dev,verifiers]'``); importing this module imports
 nothing of verifiers, which is loaded when a ``VerifiersTask`` is built.
 
-Which environment.  ``load_env(spec, args)``: a ``package.module:function`` is called with ``args`` and must return a
-``verifiers.v1.Env``; any other ``spec`` is a taskset id, and ``args`` is the rest of the environment's config (the
-``[env]`` block of ``vf-eval``, e.g. ``{"agent": {"runtime": {"type": "subprocess"}, "max_turns": 4}}``), loaded as
-``vf.load_environment(vf.resolve_env_config(...))`` does.  verifiers' own defaults hold: the agent's program is the
-taskset's harness (else ``bash``), run in the runtime that ``agent.runtime`` names (a remote ``prime`` sandbox
-unless it is set; ``subprocess`` runs it on the worker's node).
+Which environment.  ``load_env(spec, args)``: a ``package.module:function`` is called with ``args`` and must
+return a ``verifiers.v1.Env``; any other ``spec`` is a taskset id, and ``args`` is the rest of the environment's
+config (the ``[env]`` block of ``vf-eval``, e.g.
+``{"taskset": {"num_tasks": 100}, "agent": {"runtime": {"type": "subprocess"}, "max_turns": 4}}``), loaded as
+``vf.load_environment(vf.resolve_env_config(...))`` does.  verifiers' own defaults hold: the
+agent's program is the taskset's harness (else ``bash``), run in the runtime that ``agent.runtime`` names (a
+remote ``prime`` sandbox unless it is set; ``subprocess`` runs it on the worker's node).
 
 One episode.  ``VerifiersTask`` is an ``agent.AgentTask`` whose agent, for each episode, runs
 ``env.run_episode(task, ctx)`` on one event loop that holds ``env.serving()`` (its interception server and shared
-tool servers) for the task's life.  ``ctx`` points verifiers' eval client at the episode's base URL, so the chain is
-harness -> verifiers' interception server -> the worker's endpoint, which records every call as ids and logprobs;
-the rows are built from those records exactly as for any agent (``calls``), never from verifiers' transcript.
+tool servers) for the task's life.  ``ctx`` points verifiers' eval client at the episode's base URL, so the chain
+is harness -> verifiers' interception server -> the worker's endpoint, which records every call as ids and
+logprobs; the rows are built from those records exactly as for any agent (``calls``), never from verifiers'
+transcript.
 
-Prompts.  ``prompts()`` gives the taskset's tasks as rollout prompts: ``index`` is the task's position in the taskset,
-``extra["verifiers_task"]`` its key, which the episode checks, so that a prompt from another source is refused.
+Prompts.  ``prompts()`` gives the taskset's tasks as rollout prompts: ``index`` is the task's position in the
+taskset, ``extra["verifiers_task"]`` its key, which the episode checks, so that a prompt from another source is
+refused.
 
 Scoring.  Every row of an episode gets its trace's reward, ``Trace.reward``: the weighted sum of the task's
 ``@vf.reward`` functions and plugged rewards and judges, as verifiers scored the trace (a stopped trace, e.g. at
-``agent.max_turns``, is scored on what it has).  The run's ``reward.function`` and ``reward.truncated_reward`` are not
-used.  The ``episode`` record adds ``verifiers``: the trace id, each reward and metric, the stop condition.  An
-episode that failed in verifiers (the harness crashed, a setup or scoring hook raised, a call the endpoint refused
-for a limit: set verifiers' own ``agent.max_turns`` / ``max_output_tokens`` within ``env.max_turns`` and the token
-limits so that verifiers ends the trace itself) gets 0, with verifiers' error in the record, as a failing agent does.
+``agent.max_turns``, is scored on what it has).  The run's ``reward.function`` and ``reward.truncated_reward``
+are not used.  The ``episode`` record adds ``verifiers``: the trace id, each reward (weighted) and metric, the
+stop condition.  An episode that failed in verifiers (the harness crashed, a setup or scoring hook raised, a call
+the endpoint refused for a limit: set verifiers' own ``agent.max_turns`` / ``max_output_tokens`` within
+``env.max_turns`` and the token limits so that verifiers ends the trace itself) gets 0, with verifiers' error in
+the record, as a failing agent does.
 
-Covered of verifiers 0.4: tasksets (``Taskset``/``Task``/``TaskData``, finite or cut by ``max_tasks``) with their
-rewards, metrics, judges, ``@vf.stop`` and ``@vf.intercept`` hooks, per-rollout and shared ``Toolset`` MCP servers,
-any harness that speaks Chat Completions (``null``, ``bash`` and other chat programs), any runtime, ``Env``
-subclasses that run one agent per episode.  Not covered: episodes with several agent runs (multi-agent envs,
-``best-of-n``; refused, since their calls would share one sample), verifiers' episode retries (``env.retries``: a
-retried attempt's calls would join the samples; ``run_episode`` is run once), harnesses that speak the Responses or
-Anthropic Messages APIs (the endpoint serves Chat Completions only; their calls fail), verifiers' ``TrainClient``
-(the endpoint does the tokenising), ``Env.finalize`` rewards recorded on the episode rather than a trace, and
-verifiers' GEPA, eval runner and env server.
+Covered of verifiers 0.4: tasksets (``Taskset``/``Task``/``TaskData``, finite, or cut by ``max_tasks``) and their
+``@vf.reward`` / ``@vf.metric`` functions, plugged rewards and judges, ``@vf.stop`` and ``@vf.intercept`` hooks
+(a rewritten reply makes the next call a new sample, ``calls``), rewards an ``Env.finalize`` records on the
+trace, per-rollout and shared ``Toolset`` MCP servers, harnesses that speak Chat Completions (``null``, ``bash``
+and other chat programs; tested: verifiers' chat program with an MCP tool, in the ``subprocess`` runtime),
+``Env`` subclasses with one agent.  Not covered: environments with several agents (refused when built) or one
+agent run several times per episode (``best-of-n``: the episode gets 0), since their calls would share one
+sample; retries, of the episode (``env.retries``: ``run_episode`` is run once) or of an agent (``agent.retries``:
+a retried attempt's calls would join the samples, so a trace whose answered calls differ in number from the
+endpoint's gets 0); harnesses that speak the Responses or Anthropic Messages APIs (the endpoint serves Chat
+Completions only: their calls fail); verifiers' ``TrainClient`` (the endpoint tokenises); a user who opens the
+conversation (``Interaction``); verifiers' eval runner, env server and GEPA.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import itertools
 import threading
@@ -66,6 +74,10 @@ API_KEY_VAR = "SHARDRL_VERIFIERS_API_KEY"
 
 class VerifiersConfigError(ConfigError):
     """A verifiers environment that cannot be loaded or run here; the message is one line."""
+
+
+class VerifiersRolloutError(RuntimeError):
+    """A verifiers episode that failed (its first error is the message): the episode's rows get 0."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -150,8 +162,12 @@ class _Loop:
         self._thread.start()
         ready: Future[None] = Future()
         self._serving = asyncio.run_coroutine_threadsafe(self._serve(ready), self.loop)
-        self._serving.add_done_callback(lambda f: ready.done() or ready.set_exception(_failure(f)))
-        ready.result()
+        self._serving.add_done_callback(lambda serving: _settle(ready, serving))
+        try:
+            ready.result()
+        except BaseException:
+            self.close()
+            raise
 
     async def _serve(self, ready: Future[None]) -> None:
         self._stop = asyncio.Event()
@@ -168,18 +184,20 @@ class _Loop:
         if self._stop is not None:
             self.loop.call_soon_threadsafe(self._stop.set)
         if self._serving is not None:
-            try:
+            with contextlib.suppress(Exception):  # a teardown failure must not hide what the run did
                 self._serving.result(timeout=60)
-            except Exception:
-                pass  # a teardown failure must not hide what the run did
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
         self._thread = None
 
 
-def _failure(f: Future[None]) -> BaseException:
-    e = f.exception() if not f.cancelled() else None
-    return e if e is not None else RuntimeError("verifiers' serving context ended before it was ready")
+def _settle(ready: Future[None], serving: Future[None]) -> None:
+    """The serving task ended: if that was before it was ready, it is ``start()``'s failure."""
+    if not ready.done():
+        error = None if serving.cancelled() else serving.exception()
+        ready.set_exception(error or RuntimeError("verifiers' env.serving() ended before it was entered"))
 
 
 class VerifiersTask(AgentTask):
@@ -207,6 +225,13 @@ class VerifiersTask(AgentTask):
     ):
         vf = _verifiers()
         self.env = load_env(env, env_args) if isinstance(env, str) else env
+        roles = list(self.env.config.agent_harnesses())
+        if len(roles) != 1:
+            raise VerifiersConfigError(
+                f"verifiers environment {self.env.config.env_id!r} declares {len(roles)} agents "
+                f"({', '.join(roles)}); only environments of one agent are trained (the calls of all agents "
+                "would share one sample)"
+            )
         taskset = self.env.taskset
         if max_tasks is None and not taskset.bounded:
             raise VerifiersConfigError(
@@ -215,7 +240,9 @@ class VerifiersTask(AgentTask):
         self.tasks = list(itertools.islice(taskset, max_tasks))
         # AgentTask runs the agent its config names; ours is a method, put in place once the base is built.
         agent_cfg = cfg.model_copy(
-            update={"env": cfg.env.model_copy(update={"agent": f"{__name__}:{_unbound.__name__}", "tools": []})}
+            update={
+                "env": cfg.env.model_copy(update={"agent": f"{__name__}:{_unbound.__name__}", "tools": []})
+            }
         )
         super().__init__(agent_cfg, tokenizer, chat_template=chat_template, host=host, port=port)
         self.name = f"verifiers:{self.env.config.env_id}"
@@ -285,16 +312,16 @@ class VerifiersTask(AgentTask):
         (trace,) = episode.traces
         error = episode.last_error or trace.last_error
         if error is not None or not trace.ok:
-            raise RuntimeError(
-                f"verifiers: {error.type}: {error.message}" if error else "verifiers: the trace failed"
-            )
+            raise VerifiersRolloutError(f"{error.type}: {error.message}" if error else "the trace failed")
         return str(trace.last_reply)
 
     def _reward(self, run: AgentRun, finish: str, record: dict[str, Any]) -> float:
         """The trace's reward, as verifiers' rubric scored it (module doc)."""
         with self._lock:
-            episode = self._episodes.get(self.endpoint.base_url(run.episode_id))
-        if episode is None:  # the agent returned, so its episode was stored
+            episode = self._episodes.pop(self.endpoint.base_url(run.episode_id), None)
+        if (
+            episode is None
+        ):  # not expected: AgentTask scores only episodes whose agent returned, having stored it
             record["reward_error"] = "no verifiers episode was recorded"
             return 0.0
         (trace,) = episode.traces

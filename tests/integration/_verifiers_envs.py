@@ -1,14 +1,16 @@
-"""A small environment of the ``verifiers`` library (its v1 API) for tests/integration/test_verifiers_env.py, written
-as an environment author would write one, with nothing of shardrl in it.
+"""A small environment of the ``verifiers`` library (its v1 API) for tests/integration/test_verifiers_env.py,
+written as an environment author would write one, with nothing of shardrl in it.
 
-The module is a verifiers taskset package: ``__all__`` exports its ``Taskset`` and the harness it plays with, and its
-name is the taskset id, ``_verifiers_envs``.  verifiers resolves an id as a top-level module, so this directory must
-be on ``sys.path`` (and on ``PYTHONPATH`` for the tool server's process).  Tasks ask for a sum; the rubric is two
-weighted rewards on the final reply.  With ``taskset.task.tools = true`` each rollout also gets an MCP tool server
-(``AddToolset``, started as ``python -m _verifiers_envs``) offering ``add``.
+The module is a verifiers taskset package: ``__all__`` exports its ``Taskset`` and the harness it plays with, and
+its name is the taskset id, ``_verifiers_envs``.  verifiers resolves an id as a top-level module, so this
+directory must be on ``sys.path`` (and on ``PYTHONPATH`` for the tool server's process).  Tasks ask for a sum;
+the rubric is two weighted rewards on the final reply.  With ``taskset.task.tools = true`` each rollout also gets
+an MCP tool server (``AddToolset``, started as ``python -m _verifiers_envs``) offering ``add``.  ``sum_env``
+builds the environment in code; ``pair_env`` is one with two agents per episode.
 
-``LocalChatHarness`` is verifiers' own ``null`` harness (its bundled chat program: streaming Chat Completions, MCP
-tools, the tool gate), run by this interpreter instead of an interpreter that ``uv`` provisions from the network.
+``LocalChatHarness`` is verifiers' own ``null`` harness (its bundled chat program: streaming Chat Completions,
+MCP tools, the tool gate), run by this interpreter instead of an interpreter that ``uv`` provisions from the
+network.
 """
 
 from __future__ import annotations
@@ -94,13 +96,21 @@ class LocalChatHarness(NullHarness):
         tool_interception_url: str | None = None,
     ) -> vf.ProgramResult:
         system_prompt, prompt = self.resolve_prompt(data)
-        argv = [sys.executable, PROGRAM, f"--base-url={endpoint}", f"--api-key={secret}", f"--model={ctx.model}"]
+        argv = [
+            sys.executable,
+            PROGRAM,
+            f"--base-url={endpoint}",
+            f"--api-key={secret}",
+            f"--model={ctx.model}",
+        ]
         if tool_interception_url:
             argv.append(f"--tool-interception-url={tool_interception_url}")
         if system_prompt:
             argv.append(f"--system-prompt={system_prompt}")
         if mcp_urls:
-            servers = {name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()}
+            servers = {
+                name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()
+            }
             argv.append("--mcp-config=" + json.dumps({"mcpServers": servers}))
         if isinstance(prompt, str):
             argv.append(f"--prompt={prompt}")
@@ -120,6 +130,23 @@ def sum_env(num_tasks: int = 2, tools: bool = False, **env: Any) -> vf.Env:
         "agent": {"runtime": {"type": "subprocess"}, **env.get("agent", {})},
     }
     return vf.load_environment(vf.resolve_env_config(config))
+
+
+class PairConfig(vf.EnvConfig):
+    solver: vf.AgentConfig = vf.AgentConfig()
+    checker: vf.AgentConfig = vf.AgentConfig()
+
+
+class PairEnv(vf.Env[PairConfig]):
+    """Two agents per episode: one solves, the other checks."""
+
+    async def run(self, task: vf.Task, agents: vf.Agents) -> None:
+        await agents.solver.run(task)
+        await agents.checker.run(task)
+
+
+def pair_env() -> vf.Env:
+    return PairEnv(PairConfig(taskset={"id": __name__, "num_tasks": 1}))
 
 
 __all__ = ["LocalChatHarness", "SumTaskset"]
