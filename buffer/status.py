@@ -319,6 +319,26 @@ def _worker(
         "paused_reason": w.paused_reason if w.state == "paused" else None,
         "paused_why": _paused_why(w, settings) if w.state == "paused" else None,
         "last_error": w.last_error,
+        # streaming workers: requests in the engine, its busy share of unpaused time, weights loaded in flight
+        "requests_in_flight": w.requests_in_flight,
+        "engine_busy": w.engine_busy,
+        "reloads_in_flight": w.reloads_in_flight,
+        "reward_timeouts": w.reward_timeouts,
+        "episodes": _episodes(w),
+    }
+
+
+def _episodes(w: WorkerStatus) -> dict[str, Any] | None:
+    """A multi-turn worker's episodes: turns and tool calls per episode, tool errors and time-outs, truncated."""
+    if not w.episodes:
+        return None
+    return {
+        "episodes": w.episodes,
+        "turns_per_episode": round(w.model_turns / w.episodes, 2),
+        "tool_calls_per_episode": round(w.tool_calls / w.episodes, 2),
+        "tool_errors": w.tool_errors,
+        "tool_timeouts": w.tool_timeouts,
+        "truncated": w.truncated_episodes,
     }
 
 

@@ -52,7 +52,7 @@ from rollout_worker.admission import Admission
 from rollout_worker.checks import require_answers
 from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import EngineError, SamplingSpec, require_model_dir
-from rollout_worker.envs import ToolTask, check_tools
+from rollout_worker.envs import EPISODE_COUNTERS, ToolTask, check_tools, episode_stats
 from rollout_worker.following import WeightFollower
 from rollout_worker.lifecycle import EXIT_CRASH, EXIT_LEASE, EXIT_OK, EXIT_USER, Lifecycle, leave
 from rollout_worker.prompts import (
@@ -400,6 +400,11 @@ class RolloutWorker:
         self.publisher.add(scored.groups)
         self.batches += 1
         tps = generated / seconds
+        episodes: dict[str, float] = {}
+        if self.tool_task is not None or self.agent_task is not None:
+            episodes = episode_stats(scored.groups)
+            for k in EPISODE_COUNTERS:
+                self.counters[k] = self.counters.get(k, 0) + int(episodes[k])
         self._count(scored, tps)
         self._metrics(
             samples=scored.samples,
@@ -407,6 +412,7 @@ class RolloutWorker:
             tokens_per_s=tps,
             reward_mean=scored.reward_mean(),
             batch_s=seconds,
+            **_per_episode(episodes, seconds),
         )
         reward = scored.reward_mean()
         log.info(
@@ -721,6 +727,26 @@ class RolloutWorker:
         with self.life.io_lock:
             metrics.append(self.layout.metrics_file(f"rollout-{self.worker_id}"), rec)
         self.sink.log(rec, self.batches)
+
+
+def _per_episode(stats: dict[str, float], batch_s: float) -> dict[str, Any]:
+    """A multi-turn batch's metrics: turns and tool calls per episode, tool errors, time-outs and truncated episodes,
+    and the tools' share of the batch's time (their seconds over the episodes side by side, against the batch's)."""
+    n = stats.get("episodes", 0)
+    if not n:
+        return {}
+    return {
+        "episodes": int(n),
+        "turns_per_episode": stats["model_turns"] / n,
+        "tool_calls_per_episode": stats["tool_calls"] / n,
+        "tool_errors": int(stats["tool_errors"]),
+        "tool_timeouts": int(stats["tool_timeouts"]),
+        "truncated_episodes": int(stats["truncated_episodes"]),
+        "env_s": round(stats["env_s"], 3),
+        "env_s_per_episode": stats["env_s"] / n,
+        # tool seconds over batch seconds: above 1 when tools of many episodes ran side by side
+        "env_s_per_batch_s": stats["env_s"] / batch_s if batch_s > 0 else None,
+    }
 
 
 def _previous_record(run: Run, worker_id: str) -> dict[str, Any]:

@@ -139,7 +139,14 @@ def _workers(con: Console, workers: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(
-        "worker", "state", "weights", "heartbeat age", "samples", "tok/s", "why paused / last error"
+        "worker",
+        "state",
+        "weights",
+        "heartbeat age",
+        "samples",
+        "tok/s",
+        "engine",
+        "why paused / last error",
     )
     for w in workers:
         table.add_row(
@@ -149,9 +156,30 @@ def _workers(con: Console, workers: list[dict[str, Any]]) -> None:
             _age(w["heartbeat_age_s"]),
             str(w["samples"]),
             "-" if w["tokens_per_s"] is None else f"{w['tokens_per_s']:.0f}",
+            _engine(w),
             (w.get("paused_why") or w["last_error"] or "")[:90],
         )
     con.print(table)
+    for w in workers:
+        e = w.get("episodes")
+        if e:
+            con.print(
+                f"{w['id']} episodes: {e['episodes']}, {e['turns_per_episode']} turns and "
+                f"{e['tool_calls_per_episode']} tool calls each; tool errors {e['tool_errors']}, time-outs "
+                f"{e['tool_timeouts']}; truncated {e['truncated']}",
+                highlight=False,
+            )
+
+
+def _engine(w: dict[str, Any]) -> str:
+    """A streaming worker's engine: requests in flight, busy share, weight versions loaded under requests."""
+    if w.get("requests_in_flight") is None:
+        return "-"
+    busy = w.get("engine_busy")
+    return (
+        f"{w['requests_in_flight']} in flight, busy {'-' if busy is None else f'{busy:.0%}'}, "
+        f"{w.get('reloads_in_flight', 0)} reloads"
+    )
 
 
 def _worker_errors(con: Console, workers: list[dict[str, Any]]) -> None:

@@ -9,6 +9,7 @@ this package imports nothing heavy: the tokenizer and the engine are passed in.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,35 @@ from .episode import (
 )
 from .sandbox import ToolRunner
 from .tools import Tool, resolve_tools
+
+EPISODE_COUNTERS = (
+    "episodes",
+    "model_turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_timeouts",
+    "truncated_episodes",
+)
+
+
+def episode_stats(groups: Sequence[Sequence[dict[str, Any]]]) -> dict[str, float]:
+    """What a batch's episodes did, summed from their rows' ``episode`` records (one per episode: a split
+    episode's first sample speaks for it, its model turns counted over every sample): the worker's counters and
+    metrics (``EPISODE_COUNTERS``, and ``env_s``, the seconds its tools ran)."""
+    out: dict[str, float] = dict.fromkeys((*EPISODE_COUNTERS, "env_s"), 0)
+    for row in (r for g in groups for r in g):
+        if not row.get("episode"):
+            continue
+        rec = json.loads(row["episode"])
+        out["model_turns"] += rec.get("model_turns", sum(v >= 0 for v in row.get("turn_versions") or []))
+        if rec.get("split", 0):
+            continue
+        out["episodes"] += 1
+        out["truncated_episodes"] += bool(rec.get("truncated"))
+        for k in ("tool_calls", "tool_errors", "tool_timeouts"):
+            out[k] += int(rec.get(k, 0))
+        out["env_s"] += float(rec.get("tool_s", 0.0))
+    return out
 
 
 def check_tools(cfg: ShardRLConfig) -> list[Tool]:

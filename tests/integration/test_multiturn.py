@@ -155,6 +155,15 @@ def test_a_worker_with_tools_publishes_multiturn_shards(tiny_model_untied: Path,
         rows = wait_for("multi-turn samples", lambda: ready_rows(run) or None, timeout=180)
     finally:
         assert stop(proc, timeout=30) == 0, tail(log)
+    from buffer.status import snapshot
+
+    from ._rollout_helpers import worker
+
+    rec = worker(run, "w0")  # the episodes' counters, and their view in `shardrl status`
+    assert rec["episodes"] >= len({r["group_id"] for r in rows}) and rec["model_turns"] >= rec["episodes"]
+    assert rec["tool_calls"] >= 0 and rec["truncated_episodes"] <= rec["episodes"]
+    (view,) = [w for w in snapshot(run.layout)["workers"] if w["id"] == "w0"]
+    assert view["episodes"]["episodes"] == rec["episodes"]
     for r in rows:
         assert r["loss_mask"] is not None and len(r["loss_mask"]) == len(r["response_ids"])
         assert sum(r["turn_lengths"]) == len(r["response_ids"]) and r["turn_versions"][0] == 0
