@@ -161,7 +161,7 @@ def test_a_worker_with_tools_publishes_multiturn_shards(tiny_model_untied: Path,
 
     rec = worker(run, "w0")  # the episodes' counters, and their view in `shardrl status`
     assert rec["episodes"] >= len({r["group_id"] for r in rows}) and rec["model_turns"] >= rec["episodes"]
-    assert rec["tool_calls"] >= 0 and rec["truncated_episodes"] <= rec["episodes"]
+    assert rec["truncated_episodes"] <= rec["episodes"]
     (view,) = [w for w in snapshot(run.layout)["workers"] if w["id"] == "w0"]
     assert view["episodes"]["episodes"] == rec["episodes"]
     for r in rows:
