@@ -100,7 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--workers", type=int, default=1, help="workers; the 2nd joins mid-run via control.json")
     s.add_argument("--engine", choices=["vllm", "hf"], default=None)
-    s.add_argument("--task", choices=["max_digit", "mod_add"], default="max_digit")
+    s.add_argument(
+        "--task",
+        choices=["max_digit", "mod_add", "lookup"],
+        default="max_digit",
+        help="max_digit, mod_add, or lookup: the tool task (its own config, shardrl/configs/lookup.toml)",
+    )
     s.add_argument(
         "--lora",
         type=int,

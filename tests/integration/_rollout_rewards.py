@@ -41,3 +41,12 @@ def dies_on_eight(prompt: str, response: str, answer: str | None) -> float:
     if answer == "8":
         os._exit(9)
     return digit_reward(response, answer or "")
+
+
+def hangs_on_seven_dies_on_eight(prompt: str, response: str, answer: str | None) -> float:
+    """``hangs_on_seven`` and ``dies_on_eight`` in one: both kinds of loss in one worker's run."""
+    if answer == "7":
+        time.sleep(3600)
+    if answer == "8":
+        os._exit(9)
+    return digit_reward(response, answer or "")
