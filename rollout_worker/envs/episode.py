@@ -15,8 +15,10 @@ the engine saw and produced: no assistant text is ever tokenised again.  An envi
 template, rendered with and without the new messages; only the new text is tokenised: what the template writes after
 an assistant message's content (``<|im_end|>\\n`` in Qwen's), less the end-of-turn token the model itself produced,
 then the new messages and the next generation prompt.  A template that rewrites earlier turns (one that drops
-earlier reasoning) breaks the prefix; the episode is then ended there (``ended = "template"``) rather than trained on
-ids the engine never saw.
+earlier reasoning) breaks the prefix; the episode is then split there (``Episode._split``): what the engine saw so
+far is one sample, and the episode goes on in a new one whose prompt is the conversation rendered whole, so no sample
+holds ids the engine never saw.  The samples of an episode share its reward and, in the trainer, its advantage (one
+``episode_id``).
 
 Limits: ``max_turns`` assistant turns, ``max_turn_tokens`` per turn (a longer turn is cut there and the episode goes
 on), the response budget (every turn counts) and the engine's context.  An episode past any of them ends as truncated (``finish_reason = "length"``, the reason in its
@@ -244,6 +246,9 @@ class Episode:
     prompt_text: str
     messages: list[Message]
     turns: list[Turn] = field(default_factory=list)
+    # Samples closed where the template broke the prefix: (prompt ids, prompt text, turns) each; the open one is
+    # prompt_ids / prompt_text / turns
+    closed: list[tuple[list[int], str, list[Turn]]] = field(default_factory=list)
     ended: str | None = None  # done | length | turn_limit | context_limit | template
     reply: str = ""  # the last assistant turn's text
     stats: dict[str, float] = field(
@@ -307,13 +312,13 @@ class Episode:
         if step.done:
             self.ended = "done"
             return
-        if sum(t.model for t in self.turns) >= limits.max_turns:
+        if self.model_turns >= limits.max_turns:
             self.ended = "turn_limit"
             return
         try:
             ids = self.renderer.env_turn(self.messages, step.messages, self.env.tools, self.turns[-1].ids)
         except TemplateError:
-            self.ended = "template"
+            self._split(step, limits)
             return
         if not ids:  # nothing to tell the model apart from its own turn: ending beats a turn of no tokens
             self.ended = "template"
@@ -326,13 +331,30 @@ class Episode:
         self.turns.append(Turn(ids, [0.0] * len(ids), ENV_VERSION))
         self.messages.extend(step.messages)
 
+    @property
+    def model_turns(self) -> int:
+        return sum(t.model for _, _, turns in self.closed for t in turns) + sum(t.model for t in self.turns)
+
+    def _split(self, step: Step, limits: Limits) -> None:
+        """The template rewrote an earlier turn (one that drops earlier reasoning): what the engine saw so far is
+        closed as a sample, and the episode goes on in a new one whose prompt is the conversation rendered whole,
+        new messages included, so every sample is still exactly what the engine saw and drew."""
+        self.messages.extend(step.messages)
+        text = self.renderer.render(self.messages, self.env.tools, generation_prompt=True)
+        ids = self.renderer.encode(text)
+        if len(ids) >= limits.context:
+            self.ended = "context_limit"
+            return
+        self.closed.append((self.prompt_ids, self.prompt_text, self.turns))
+        self.prompt_ids, self.prompt_text, self.turns = ids, text, []
+
     def record(self) -> dict[str, Any]:
         """The ``episode`` column: how it went."""
         return {
             "ended": self.ended,
             "truncated": self.truncated,
-            "turns": len(self.turns),
-            "model_turns": sum(t.model for t in self.turns),
+            "turns": len(self.turns) + sum(len(turns) for _, _, turns in self.closed),
+            "model_turns": self.model_turns,
             **{k: (round(v, 3) if k == "tool_s" else int(v)) for k, v in self.stats.items()},
         }
 
@@ -416,6 +438,20 @@ def run_episodes_in_flight(
 # ---------------------------------------------------------------------------------------------- shard rows
 
 
+def _reward(e: Episode, finish: str, record: dict[str, Any]) -> float:
+    """The environment's reward of the finished episode; 0 when it fails (the error goes into ``record``)."""
+    try:
+        reward = float(
+            e.env.reward(e.reply, finish_reason=finish, messages=e.messages, response_ids=e.response_ids)
+        )
+        if not math.isfinite(reward):
+            raise ValueError(f"reward {reward}")
+    except Exception as err:
+        reward = 0.0
+        record["reward_error"] = f"{type(err).__name__}: {err}"[:500]
+    return reward
+
+
 def logprobs_ok(e: Episode) -> bool:
     return all(math.isfinite(x) and x <= LOGPROB_TOLERANCE for x in e.response_logprobs)
 
@@ -430,28 +466,42 @@ def group_rows(
     the ``episode`` record: unlike a single-turn batch, an episode cannot be drawn again cheaply, and the group keeps
     its other samples.
     """
-    if not all(any(t.model for t in e.turns) for e in episodes):
+    if not all(any(t.model for t in e.turns) or e.closed for e in episodes):
         return (
             None,
             f"prompt {prompt.index}: {len(episodes[0].prompt_ids)} tokens leave no room for a response",
         )
     if not all(logprobs_ok(e) for e in episodes):
         return None, "a behaviour logprob is not a finite number <= 0"
-    return [_row(e, group_id, prompt, epoch) for e in episodes], None
+    rows = [r for k, e in enumerate(episodes) for r in _rows(e, f"{group_id}.{k}", group_id, prompt, epoch)]
+    return rows, None
 
 
-def _row(e: Episode, group_id: str, prompt: Prompt, epoch: int) -> dict[str, Any]:
+def _rows(e: Episode, episode_id: str, group_id: str, prompt: Prompt, epoch: int) -> list[dict[str, Any]]:
+    """The samples of one episode: one, or one per piece where the template broke the prefix (``_split``); the
+    pieces share the episode's reward, and the trainer its advantage (their ``episode_id``)."""
+    if not e.closed:
+        return [_row(e, group_id, prompt, epoch)]
+    pieces = [*e.closed, (e.prompt_ids, e.prompt_text, e.turns)]
+    pieces = [p for p in pieces if any(t.model for t in p[2])]
+    last = _row(e, group_id, prompt, epoch)  # the reward, of the episode's last reply
+    rows = []
+    for k, (ids, text, turns) in enumerate(pieces):
+        piece = replace(e, prompt_ids=ids, prompt_text=text, turns=turns, closed=[])
+        row = _row(piece, group_id, prompt, epoch, reward=last["reward"])
+        record = json.loads(last["episode"]) | {"episode_id": episode_id, "split": k, "splits": len(pieces)}
+        row["episode"] = json.dumps(record)
+        rows.append(row)
+    return rows
+
+
+def _row(
+    e: Episode, group_id: str, prompt: Prompt, epoch: int, *, reward: float | None = None
+) -> dict[str, Any]:
     finish = "length" if e.truncated else "stop"
     record = e.record()
-    try:
-        reward = float(
-            e.env.reward(e.reply, finish_reason=finish, messages=e.messages, response_ids=e.response_ids)
-        )
-        if not math.isfinite(reward):
-            raise ValueError(f"reward {reward}")
-    except Exception as err:
-        reward = 0.0
-        record["reward_error"] = f"{type(err).__name__}: {err}"[:500]
+    if reward is None:
+        reward = _reward(e, finish, record)
     versions = [t.version for t in e.turns if t.model]
     row = {
         "group_id": group_id,

@@ -298,3 +298,50 @@ def test_run_batch_scores_whole_groups_and_drops_a_prompt_without_room(tokenizer
     assert [[r["group_id"] for r in g] for g in scored.groups] == [["w0.i.3.0", "w0.i.3.0"]]
     assert generated == sum(sum(r["loss_mask"]) for r in scored.groups[0])
     assert len(scored.errors) == 1 and "prompt 5" in scored.errors[0] and "no room" in scored.errors[0]
+
+
+# Drops the reasoning of every assistant message but the conversation's last, as reasoning models' templates do: the
+# conversation so far is then no prefix of its next rendering.
+DROPS_REASONING = TOOL_TEMPLATE.replace(
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}",
+    "{% elif m['role'] == 'assistant' and not loop.last %}<|im_start|>assistant\n"
+    "{{ m['content'].split('</think>')[-1] }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}",
+)
+
+
+def test_a_template_that_drops_reasoning_splits_the_episode_into_faithful_samples(tokenizer: Any) -> None:
+    scripts = {"What is alpha?": ["<think>look it up</think>" + call("lookup", key="alpha"), "7"]}
+    cfg = ShardRLConfig.model_validate(
+        {
+            "reward": {"function": "exact_match"},
+            "env": {"tools": [f"{TOOLS}:lookup"], "tool_timeout_s": 20},
+            "rollout": {"sampling": {"max_response_length": 1500}},
+            "data": {"max_prompt_length": 1000},
+        }
+    )
+    task = ToolTask(cfg, tokenizer, chat_template=DROPS_REASONING)
+    model = ScriptedModel(tokenizer, scripts)
+    (prompt,) = _prompts("What is alpha?")
+    (e,) = [task.episode(prompt)]
+    run_episodes(model, [e], SamplingSpec(seed=1), task.limits, version=lambda: 4)
+    assert e.ended == "done" and len(e.closed) == 1
+    rows, why = group_rows([e], "g", prompt)
+    assert why is None and rows is not None and len(rows) == 2
+    # each sample is exactly one call of the engine: the prompt it saw, the ids it drew
+    for row, (seen, drawn) in zip(rows, model.calls, strict=True):
+        assert row["prompt_ids"] == seen and row["response_ids"] == drawn
+        assert row["loss_mask"] == [1] * len(drawn) and row["turn_versions"] == [4]
+    assert "look it up" not in tokenizer.decode(rows[1]["prompt_ids"])  # the template dropped it
+    assert "<tool_response>" in tokenizer.decode(rows[1]["prompt_ids"])
+    records = [json.loads(r["episode"]) for r in rows]
+    assert [(r["split"], r["splits"]) for r in records] == [(0, 2), (1, 2)]
+    assert records[0]["episode_id"] == records[1]["episode_id"] and records[0]["model_turns"] == 2
+    assert rows[0]["reward"] == rows[1]["reward"] == 1.0  # the episode's reward, of its last reply, on both
+    table = pa.Table.from_pylist(
+        [{**r, "sample_id": f"s{i}", "worker_id": "w", "created_at": 0} for i, r in enumerate(rows)]
+    )
+    assert multiturn_problem(table) is None
+    # the trainer gives both samples the episode's advantage: one entry of its group
+    samples = _samples(table)
+    assert {s.episode_key for s in samples} == {records[0]["episode_id"]}
