@@ -7,9 +7,11 @@ it is another digit (a shaping signal that teaches a randomly initialised model 
 ``lookup``, a tool task: ``What is the value of code 4821?``, where the value is one digit that only the ``lookup``
 tool knows (a keyed hash of the code; the key is not in any prompt), so the model must call
 ``<tool_call>{"name":"lookup","arguments":{"code":4821}}</tool_call>`` and answer with the digit the tool returns;
-it is scored like the digit tasks.  Of the 9000 four-digit codes, ``LOOKUP_HELD_OUT`` are set aside for the
-evaluator and never drawn in training, so that no score can come from codes seen before.  The tool is a function of
-this module because each call imports its module in a fresh child process: this one imports nothing of ours.
+it is scored like the digit tasks.  The table has no entry for about one four-digit code in five (the tool answers
+``unknown``, and the reply to give is ``none``); the prompts ask only for codes it holds.  Of those, the first
+``LOOKUP_HELD_OUT`` of a fixed shuffle are set aside for the evaluator and never drawn in training, so that no score
+can come from codes seen before.  The tool is a function of this module because each call imports its module in a
+fresh child process: this one imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from dataclasses import dataclass
 TASKS = ("max_digit", "mod_add", "lookup")
 TOOL_TASKS = {"lookup": "rollout_worker.tasks:lookup"}  # a tool task -> its tool (env.tools)
 LOOKUP_HELD_OUT = 100
+LOOKUP_CODES = range(
+    1000, 10000
+)  # four digits without a leading zero: a code is a plain JSON number in the call
+LOOKUP_UNKNOWN = "unknown"  # the tool's result for a code the table has no entry for
+LOOKUP_NONE = "none"  # the reply to such a result
 _LOOKUP_KEY = b"shardrl lookup table"
-_CODES = range(1000, 10000)  # four digits without a leading zero: a code is a plain JSON number in the call
+_UNKNOWN_EVERY = 5  # the table has no entry for about one code in five
 
 
 @dataclass(frozen=True)
@@ -59,20 +66,22 @@ def digit_reward(response: str, answer: str, near_reward: float = 0.1) -> float:
 
 
 def lookup(code: int) -> str:
-    """The value stored under a code: one digit.
+    """The value stored under a code: one digit, or `unknown` when the table has no entry for it.
 
     Args:
         code: the four-digit code to look up
     """
     digest = hashlib.blake2b(str(code).encode(), key=_LOOKUP_KEY, digest_size=8).digest()
-    return str(int.from_bytes(digest, "little") % 10)
+    h = int.from_bytes(digest, "little")
+    return LOOKUP_UNKNOWN if h % _UNKNOWN_EVERY == 0 else str(h // _UNKNOWN_EVERY % 10)
 
 
 def lookup_codes(split: str = "train") -> list[int]:
-    """The codes of a split, in a fixed shuffled order: ``eval`` the first ``LOOKUP_HELD_OUT``, ``train`` the rest."""
+    """The codes the table holds, in a fixed shuffled order: ``eval`` the first ``LOOKUP_HELD_OUT``, ``train`` the
+    rest."""
     if split not in ("train", "eval"):
         raise ValueError(f"unknown split {split!r}; splits: train, eval")
-    codes = list(_CODES)
+    codes = [c for c in LOOKUP_CODES if lookup(c) != LOOKUP_UNKNOWN]
     random.Random(0).shuffle(codes)
     return codes[:LOOKUP_HELD_OUT] if split == "eval" else codes[LOOKUP_HELD_OUT:]
 

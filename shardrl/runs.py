@@ -11,7 +11,7 @@ from buffer.run import init_run as _contract_init_run
 
 
 def build_base_model(layout: RunLayout, cfg: ShardRLConfig) -> None:
-    from .tiny_model import build_tiny_model, pretrain
+    from .tiny_model import build_tiny_model, pretrain, pretraining_task
 
     build_tiny_model(
         layout.base_model,
@@ -22,10 +22,10 @@ def build_base_model(layout: RunLayout, cfg: ShardRLConfig) -> None:
     if cfg.model.tiny_pretrain_steps:
         if cfg.data.task == "file":
             raise ConfigError(
-                "model.tiny_pretrain_steps: needs a built-in task (data.task max_digit or mod_add), not a prompts file"
+                "model.tiny_pretrain_steps: needs a built-in task (data.task max_digit, mod_add or lookup), not a prompts file"
             )
-        other = "mod_add" if cfg.data.task == "max_digit" else "max_digit"
-        pretrain(layout.base_model, other, cfg.model.tiny_pretrain_steps, seed=cfg.run.seed)
+        task = pretraining_task(cfg.data.task)
+        pretrain(layout.base_model, task, cfg.model.tiny_pretrain_steps, seed=cfg.run.seed)
 
 
 def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:

@@ -271,50 +271,65 @@ def _pretrain_answers(model: Any, opt: Any, tok: Any, task: str, steps: int) -> 
 
 
 # Examples per step of the tool task's format pretraining, each with a fresh code and a fresh random answer.
-FORMAT_BATCH = 32
+FORMAT_BATCH = 16
 
 
 def _pretrain_format(model: Any, opt: Any, tok: Any, steps: int, seed: int) -> None:
     """Steps on whole episodes of the lookup task, the loss on the model's own turns only."""
     import torch
 
+    from rollout_worker.tasks import LOOKUP_CODES, lookup_codes
+
     rng = random.Random(seed)
+    held_out = set(lookup_codes("eval"))
+    codes = [c for c in LOOKUP_CODES if c not in held_out]
+    pad = int(tok.pad_token_id)
     for _ in range(steps):
-        ids, labels = _lookup_examples(tok, FORMAT_BATCH, rng)
-        logits = model(torch.tensor(ids)).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor(labels)[:, 1:].flatten())
+        examples = _lookup_examples(tok, rng.sample(codes, FORMAT_BATCH), rng)
+        width = max(len(ids) for ids, _ in examples)
+        ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in examples])
+        labels = torch.tensor([la + [-100] * (width - len(la)) for _, la in examples])
+        mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in examples])
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
-def _lookup_examples(tok: Any, n: int, rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
-    """``n`` lookup episodes as the rollout worker renders them (ids) and what is learnt of them (labels, -100
-    elsewhere): the call with the prompt's code copied into it, then, after the tool's result, a *random* digit.
+def _lookup_examples(tok: Any, codes: list[int], rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """Lookup episodes of ``codes`` as the rollout worker renders them (ids) and what is learnt of them (labels,
+    -100 elsewhere): the call with the prompt's code copied into it, then the reply to the tool's result: ``none``
+    to ``unknown`` (a code the table has no entry for), else a *random* digit.
 
-    So the base knows how to call the tool and that a digit ends the episode, but its answers are independent of
-    the tool's result: it starts at chance, and copying the result is what RL has to learn.
+    So the base knows how to call the tool, and looks at its result to tell a value from ``unknown``, but its
+    answers are independent of the value: it starts at chance, and reading the value is what RL has to learn.
     """
     from rollout_worker.envs.episode import ChatRenderer
     from rollout_worker.envs.tools import resolve_tools
-    from rollout_worker.tasks import TOOL_TASKS, lookup, lookup_call, lookup_codes, lookup_prompt
+    from rollout_worker.tasks import (
+        LOOKUP_NONE,
+        LOOKUP_UNKNOWN,
+        TOOL_TASKS,
+        lookup,
+        lookup_call,
+        lookup_prompt,
+    )
 
     renderer = ChatRenderer(tok)
     tools = resolve_tools([TOOL_TASKS["lookup"]])
-    ids, labels = [], []
-    for code in rng.sample(lookup_codes("train"), n):
+    out = []
+    for code in codes:
         user = {"role": "user", "content": lookup_prompt(code)}
         prompt = renderer.encode(renderer.render([user], tools, generation_prompt=True))
         call = renderer.encode(lookup_call(code) + IM_END)
         history = [user, {"role": "assistant", "content": lookup_call(code)}]
-        result = [{"role": "tool", "name": "lookup", "content": lookup(code)}]
-        env = renderer.env_turn(history, result, tools, call)
-        answer = renderer.encode(f"{rng.randrange(10)}{IM_END}")
-        ids.append(prompt + call + env + answer)
-        labels.append([-100] * len(prompt) + call + [-100] * len(env) + answer)
-    if len({len(x) for x in ids}) != 1:
-        raise ValueError("lookup: episodes of unequal length; pretraining expects one length")
-    return ids, labels
+        value = lookup(code)
+        env = renderer.env_turn(history, [{"role": "tool", "name": "lookup", "content": value}], tools, call)
+        reply = LOOKUP_NONE if value == LOOKUP_UNKNOWN else str(rng.randrange(10))
+        answer = renderer.encode(reply + IM_END)
+        out.append((prompt + call + env + answer, [-100] * len(prompt) + call + [-100] * len(env) + answer))
+    return out
 
 
 def _seal(path: Path) -> None:

@@ -13,6 +13,7 @@ refuses to start unless given ``--takeover``; then it fences out the first, whic
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 
 from buffer.config import (
@@ -66,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash in native code (gloo, a kernel) kills a rank with SIGSEGV and no trace; this prints every thread's
+    # Python stack to the rank's stderr first, so its log says where it was.
+    faulthandler.enable()
     args, rest = _parser().parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)

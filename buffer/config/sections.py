@@ -189,8 +189,9 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Where prompts come from."""
 
-    task: Literal["max_digit", "mod_add", "file"] = Field(
-        "max_digit", description="Built-in demo task, or `file` to read `prompts_file`."
+    task: Literal["max_digit", "mod_add", "lookup", "file"] = Field(
+        "max_digit",
+        description="Built-in demo task (`lookup`: the tool task), or `file` to read `prompts_file`.",
     )
     prompts_file: str | None = Field(
         None,
