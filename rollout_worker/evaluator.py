@@ -13,7 +13,9 @@ limits), scored on its last reply.  One record per version goes to RUN/metrics/e
 no full score is defined).  A version that fails to verify or load is skipped with one log line.  Versions already
 in eval.jsonl are not scored again, so a restarted evaluator resumes.  ``--once`` scores what is due and the latest
 version, then exits (the demo's final figure); so does an evaluator that finds the run finished (RUN/finished.json).
-SIGTERM/SIGINT end it after the version in hand.
+SIGTERM/SIGINT end it after the version in hand.  A run of a verifiers environment (``env.verifiers``) is refused
+with one line: its episodes need the workers' chat endpoint, which the evaluator does not serve, and the workers'
+own metrics already record the rubric's reward of every batch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from buffer import metrics
-from buffer.config import DataConfig, ShardRLConfig
+from buffer.config import ConfigError, DataConfig, ShardRLConfig
 from buffer.logs import logger
 from buffer.records import RecordError
 from buffer.run import Run
@@ -50,6 +52,11 @@ def eval_prompts(cfg: ShardRLConfig) -> list[Prompt]:
     """The held-out prompts: ``eval.prompts_file`` (read like data.prompts_file), else the held-out split of a
     built-in task that has one (the tool task's codes never drawn in training), else the run's own prompts."""
     data = cfg.data
+    if cfg.env.verifiers is not None:
+        raise ConfigError(
+            f"env.verifiers ({cfg.env.verifiers!r}): the evaluator (--eval) does not run verifiers environments; "
+            "the workers' metrics record the rubric's reward (reward_mean)"
+        )
     if cfg.eval.prompts_file:
         prompts = load_prompts(
             data.model_copy(update={"task": "file", "prompts_file": cfg.eval.prompts_file})

@@ -1,9 +1,10 @@
 """Prompts for the rollout workers: where they come from, how they are rendered and tokenized, and which ones each
 worker draws.
 
-Sources: the built-in demo tasks (``data.task = max_digit | mod_add``) or a file (``data.task = file``): JSONL (one
-JSON object per line), Parquet, or a directory written by ``datasets.Dataset.save_to_disk`` (its ``*.arrow`` files are
-Arrow IPC streams, read here with pyarrow alone).  Each row holds the prompt at ``data.prompt_field`` and optionally
+Sources: the built-in demo tasks (``data.task = max_digit | mod_add``), a verifiers environment's tasks
+(``data.task = env``: ``envs.verifiers_env.env_prompts`` lists them from ``env.verifiers``, which the data section
+does not hold), or a file (``data.task = file``): JSONL (one JSON object per line), Parquet, or a directory written by
+``datasets.Dataset.save_to_disk`` (its ``*.arrow`` files are Arrow IPC streams, read here with pyarrow alone).  Each row holds the prompt at ``data.prompt_field`` and optionally
 an answer at ``data.answer_field``; both may be dotted paths into nested objects (``reward_model.ground_truth``).
 A prompt is either a string or chat messages, a list of ``{"role", "content"}`` objects.  The row's other top-level
 fields travel with the prompt (``Prompt.extra``) to the reward function.  docs/DATA.md shows every format.
@@ -79,7 +80,10 @@ def derive_seed(*parts: object) -> int:
 
 
 def load_prompts(data: DataConfig) -> list[Prompt]:
-    """All prompts of the run's data source, in source order."""
+    """All prompts of the run's data source, in source order; none for ``data.task = "env"``, whose prompts are the
+    environment's (``envs.verifiers_env.env_prompts``: the worker's preflight lists them)."""
+    if data.task == "env":
+        return []
     if data.task != "file":
         rows = ({"prompt": p.prompt, "answer": p.answer} for p in task_prompts(data.task))
         builtin = data.model_copy(update={"prompt_field": "prompt", "answer_field": "answer"})

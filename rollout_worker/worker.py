@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from buffer import metrics
-from buffer.config import ConfigError, parse_overrides, resolve_dtype
+from buffer.config import ConfigError, ShardRLConfig, parse_overrides, resolve_dtype
 from buffer.control import LeaseWatch
 from buffer.heartbeats import load_worker, worker_status
 from buffer.logs import setup_logging
@@ -102,7 +102,7 @@ def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
     require_model_dir(run.model_dir, "model directory (model.path)")
     if cfg.model.tokenizer:
         require_model_dir(run.tokenizer_dir, "tokenizer directory (model.tokenizer)")
-    prompts = load_prompts(cfg.data)
+    prompts = run_prompts(cfg)
     scorer = make_scorer(cfg.reward)
     check_tools(cfg)
     require_answers(cfg, prompts)
@@ -111,6 +111,16 @@ def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
             f"{cfg.reward.reward_model}: reward.reward_model is not a HF model directory (no config.json)"
         )
     return prompts, scorer
+
+
+def run_prompts(cfg: ShardRLConfig) -> list[Prompt]:
+    """The run's prompts: the data source's, or with ``env.verifiers`` the environment's tasks (loaded here first,
+    and kept for ``_start``: ``verifiers_env.configured_env``)."""
+    if cfg.env.verifiers is None:
+        return load_prompts(cfg.data)
+    from rollout_worker.envs.verifiers_env import env_prompts
+
+    return env_prompts(cfg)
 
 
 def vllm_options(run: Run) -> dict[str, Any]:
@@ -161,7 +171,9 @@ class RolloutWorker:
         self.lengths: LengthDraw | None = None
         self.groups: GroupStream | None = None  # rollout.streaming: the groups in flight
         self.tool_task: ToolTask | None = None
-        self.agent_task: Any = None  # envs.agent.AgentTask when env.agent is set
+        self.agent_task: Any = (
+            None  # envs.agent.AgentTask when env.agent is set (a VerifiersTask: env.verifiers)
+        )
         # a thread-safe complete(prompt_ids, sampling) for episodes: a StreamCompleter (streaming) or a Batcher
         self.complete: Any = None
         self.weights: WeightFollower | None = None
@@ -275,7 +287,12 @@ class RolloutWorker:
         tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer_dir))
         self.stream = self._prompt_stream(prompts, tokenizer)
         self.tool_task = ToolTask(cfg, tokenizer) if cfg.env.tools else None
-        if cfg.env.agent:
+        if cfg.env.verifiers:
+            from rollout_worker.envs.verifiers_env import VerifiersTask, configured_env
+
+            env, tasks = configured_env(cfg)  # what preflight loaded: the prompts are these tasks
+            self.agent_task = VerifiersTask(cfg, tokenizer, env, tasks=tasks)
+        elif cfg.env.agent:
             from rollout_worker.envs.agent import AgentTask
 
             self.agent_task = AgentTask(cfg, tokenizer)
@@ -363,7 +380,9 @@ class RolloutWorker:
         )
 
     def _source_key(self, prompts: list[Prompt]) -> str:
-        return f"{self.cfg.data.task}:{self.cfg.data.prompts_file}:{len(prompts)}"
+        data = self.cfg.data
+        source = self.cfg.env.verifiers if data.task == "env" else data.prompts_file
+        return f"{data.task}:{source}:{len(prompts)}"
 
     # ------------------------------------------------------------------ one batch
 

@@ -7,7 +7,8 @@ in ``PER_PROCESS_FIELDS`` may differ per process.  This package imports no torch
 
 Rules that span fields (``RULES``: a backlog bound that lets a step fill, whole groups per step, consistent
 staleness bounds, prompt + response within the engine's context, vLLM settings only for a vLLM engine, an adaptive-KL
-horizon of at least one step, no more initial workers than the maximum, an episode's turn within its response budget)
+horizon of at least one step, no more initial workers than the maximum, an episode's turn within its response budget,
+``data.task = 'env'`` exactly with ``env.verifiers``, whose rubric is then the reward)
 run whenever a config is validated: at ``shardrl init`` and again when every process opens the run, so a config that
 would deadlock or silently waste samples never starts.  Each failure is one line naming the fields and the rule.
 
@@ -45,7 +46,7 @@ from .overrides import (
     split_overrides,
 )
 from .reference import reference_markdown
-from .rules import GROUP_ALGORITHMS, PER_PROCESS_FIELDS, RULES, ShardRLConfig
+from .rules import GROUP_ALGORITHMS, PER_PROCESS_FIELDS, RULES, VERIFIERS_REWARD, ShardRLConfig
 from .sections import (
     LORA_TARGETS,
     AdapterConfig,
@@ -70,6 +71,7 @@ __all__ = [
     "PER_PROCESS_FIELDS",
     "RULES",
     "RUN_ENV",
+    "VERIFIERS_REWARD",
     "AdapterConfig",
     "Algorithm",
     "AlgorithmConfig",

@@ -6,6 +6,8 @@ the root model's validator, so every way of building a config (TOML, RUN/config.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from .algorithms import (
@@ -24,6 +26,11 @@ from .sections import (
     _Section,
 )
 
+# The reward.function of an env.verifiers run, filled in when the config names none: the environment's rubric scores
+# its episodes (rollout_worker/envs/verifiers_env.py), and the name says so in RUN/config.json.  A string, not an
+# import: buffer imports nothing of the rollout side.
+VERIFIERS_REWARD = "rollout_worker.envs.verifiers_env:rubric_reward"
+
 
 class ShardRLConfig(_Section):
     """The whole run configuration (the content of RUN/config.json)."""
@@ -37,6 +44,19 @@ class ShardRLConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rubric_is_the_reward(cls, data: Any) -> Any:
+        # Only here can a missing section get a default that depends on another; the rules below refuse a
+        # reward.function the user set beside env.verifiers, which the rubric would silently replace.
+        if not isinstance(data, dict):
+            return data
+        env, reward = data.get("env"), data.get("reward", {})
+        verifiers = env.get("verifiers") if isinstance(env, dict) else getattr(env, "verifiers", None)
+        if verifiers is None or not isinstance(reward, dict) or "function" in reward:
+            return data
+        return {**data, "reward": {**reward, "function": VERIFIERS_REWARD}}
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ShardRLConfig:
@@ -191,6 +211,37 @@ def _rule_streaming_without_lora(cfg: ShardRLConfig) -> str | None:
     )
 
 
+def _rule_env_prompts_from_verifiers(cfg: ShardRLConfig) -> str | None:
+    # The episodes of a verifiers environment run its own tasks (a prompt from elsewhere names no task of it).
+    task, spec = cfg.data.task, cfg.env.verifiers
+    if task == "env" and spec is None:
+        return "data.task = 'env' needs env.verifiers: the prompts are the tasks of the environment it names"
+    if task != "env" and spec is not None:
+        return f"env.verifiers ({spec!r}) needs data.task = 'env' (not {task!r}): its tasks are the prompts"
+    return None
+
+
+def _rule_verifiers_rubric_scores(cfg: ShardRLConfig) -> str | None:
+    function, spec = cfg.reward.function, cfg.env.verifiers
+    if spec is not None and function != VERIFIERS_REWARD:
+        return (
+            f"reward.function ({function!r}) is not used with env.verifiers ({spec!r}): the environment's rubric "
+            "scores every episode; leave reward.function unset"
+        )
+    if spec is None and function == VERIFIERS_REWARD:
+        return f"reward.function = {function!r} is the rubric of env.verifiers, which is not set"
+    return None
+
+
+def _rule_pretrain_on_a_builtin_task(cfg: ShardRLConfig) -> str | None:
+    if cfg.model.tiny_pretrain_steps == 0 or cfg.data.task != "env":
+        return None
+    return (
+        f"model.tiny_pretrain_steps ({cfg.model.tiny_pretrain_steps}) needs a built-in task (data.task max_digit, "
+        "mod_add or lookup), not data.task = 'env'"
+    )
+
+
 RULES = (
     _rule_engine_settings,
     _rule_streaming_without_lora,
@@ -203,6 +254,9 @@ RULES = (
     _rule_kl_horizon_spans_a_step,
     _rule_sequence_parallel_packs,
     _rule_env_turn_fits_response,
+    _rule_env_prompts_from_verifiers,
+    _rule_verifiers_rubric_scores,
+    _rule_pretrain_on_a_builtin_task,
 )
 
 # Settings a single process may change with a CLI flag without touching the run's contract.

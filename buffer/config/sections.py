@@ -189,9 +189,10 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """Where prompts come from."""
 
-    task: Literal["max_digit", "mod_add", "lookup", "file"] = Field(
+    task: Literal["max_digit", "mod_add", "lookup", "file", "env"] = Field(
         "max_digit",
-        description="Built-in demo task (`lookup`: the tool task), or `file` to read `prompts_file`.",
+        description="Built-in demo task (`lookup`: the tool task), `file` to read `prompts_file`, or `env`: "
+        "prompts from the environment (env.verifiers).",
     )
     prompts_file: str | None = Field(
         None,
@@ -240,7 +241,7 @@ class RewardConfig(_Section):
 
     function: str = Field(
         description="A registered name (math_answer, exact_match, max_digit, mod_add) or "
-        "`package.module:function` (docs/DATA.md).",
+        "`package.module:function` (docs/DATA.md); unset with env.verifiers, whose rubric scores.",
     )
     truncated_reward: float | None = Field(
         None,
@@ -477,8 +478,9 @@ class EvalConfig(_Section):
 
 
 class EnvConfig(_Section):
-    """Multi-turn episodes (rollout_worker/envs): tools the model may call, or an agent that calls the model through
-    an OpenAI-compatible endpoint, and the limits of one episode; off while `tools` is empty and `agent` unset."""
+    """Multi-turn episodes (rollout_worker/envs): tools the model may call, an agent that calls the model through
+    an OpenAI-compatible endpoint, or a verifiers environment, and the limits of one episode; off while `tools` is
+    empty and `agent` and `verifiers` unset."""
 
     tools: list[str] = Field(
         default_factory=list,
@@ -490,6 +492,22 @@ class EnvConfig(_Section):
         description="An agent `package.module:function`, called per episode as `fn(base_url, row) -> str | None` "
         "with an OpenAI-compatible base URL of the worker's own endpoint; it runs its own tools, and its final "
         "answer is scored by reward.function.  Exclusive with `tools`.",
+    )
+    verifiers: str | None = Field(
+        None,
+        description="A verifiers (v0.4, `verifiers.v1`) environment: a taskset id, or `package.module:function` "
+        "returning a `verifiers.v1.Env`; its tasks are the prompts (data.task = 'env') and its rubric the reward "
+        "(reward.function unset).  The `verifiers` extra.  Exclusive with `tools` and `agent`.",
+    )
+    verifiers_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The environment's config (the `[env]` block of `vf-eval`), e.g. `{taskset = {num_tasks = "
+        '100}, agent = {runtime = {type = "subprocess"}}}`; for a function, its keyword arguments.',
+    )
+    verifiers_max_tasks: int | None = Field(
+        None,
+        ge=1,
+        description="Train on the first N tasks of env.verifiers' taskset; required when the taskset is infinite.",
     )
     agent_timeout_s: float = Field(
         600.0,
@@ -543,10 +561,23 @@ class EnvConfig(_Section):
             raise ValueError(f"{v!r} is not `package.module:function`")
         return v
 
+    @field_validator("verifiers")
+    @classmethod
+    def _taskset_or_function(cls, v: str | None) -> str | None:
+        module, colon, attr = (v or "id").partition(":")
+        if not module.strip() or (colon and not attr.isidentifier()):
+            raise ValueError(f"{v!r} is neither a taskset id nor `package.module:function`")
+        return v
+
     @model_validator(mode="after")
     def _agent_or_tools(self) -> EnvConfig:
         if self.agent is not None and self.tools:
             raise ValueError(
                 "env.agent and env.tools are exclusive: an agent runs its own tools; set one of them"
+            )
+        if self.verifiers is not None and (self.agent is not None or self.tools):
+            raise ValueError(
+                "env.verifiers is exclusive with env.agent and env.tools: the environment runs its own agent and "
+                "tools; set one of them"
             )
         return self

@@ -309,7 +309,17 @@ def _call(conn: socket.socket) -> None:
 
 # Standard modules that tools commonly import, imported once here rather than in every call (the forked process
 # shares them, as loaded): only the standard library, whose import cannot hang or fail.
-_PRELOAD = ("dataclasses", "hashlib", "random", "re", "math", "typing", "collections", "itertools", "functools")
+_PRELOAD = (
+    "dataclasses",
+    "hashlib",
+    "random",
+    "re",
+    "math",
+    "typing",
+    "collections",
+    "itertools",
+    "functools",
+)
 
 if __name__ == "__main__":
     for _name in _PRELOAD:

@@ -2,7 +2,13 @@
 rollout runs against the worker's own chat endpoint, and its rows are scored by the environment's rubric.
 
 Installed by the ``verifiers`` extra (``pip install -e '.[cpu,dev,verifiers]'``); importing this module imports
-nothing of verifiers, which is loaded when a ``VerifiersTask`` is built.
+nothing of verifiers, which is loaded when an environment is.
+
+From the run config.  ``env.verifiers`` names the environment (``env.verifiers_args`` its config,
+``env.verifiers_max_tasks`` the cut of its taskset) and ``data.task = "env"`` takes the prompts from it: the
+worker's preflight lists them (``env_prompts``) and its ``_start`` builds the ``VerifiersTask`` on the same
+environment and tasks (``configured_env`` loads them once per process).  The config's ``reward.function`` is then
+``rubric_reward``, a name that says the rubric scores; it is never called.
 
 Which environment.  ``load_env(spec, args)``: a ``package.module:function`` is called with ``args`` and must
 return a ``verifiers.v1.Env``; any other ``spec`` is a taskset id, and ``args`` is the rest of the environment's
@@ -26,8 +32,8 @@ refused.
 Scoring.  Every row of an episode gets its trace's reward, ``Trace.reward``: the weighted sum of the task's
 ``@vf.reward`` functions and plugged rewards and judges, as verifiers scored the trace (a stopped trace, e.g. at
 ``agent.max_turns``, is scored on what it has).  The run's ``reward.function`` and ``reward.truncated_reward``
-are not used.  The ``episode`` record adds ``verifiers``: the trace id, each reward (weighted) and metric, the
-stop condition.  An episode that failed in verifiers (the harness crashed, a setup or scoring hook raised, a call
+are not used.  The ``episode`` record adds ``verifiers``: the task's key, the trace id, each reward (weighted) and
+metric, the stop condition.  An episode that failed in verifiers (the harness crashed, a setup or scoring hook raised, a call
 the endpoint refused for a limit: set verifiers' own ``agent.max_turns`` / ``max_output_tokens`` within
 ``env.max_turns`` and the token limits so that verifiers ends the trace itself) gets 0, with verifiers' error in
 the record, as a failing agent does.
@@ -52,6 +58,7 @@ import asyncio
 import contextlib
 import importlib
 import itertools
+import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -87,9 +94,9 @@ def _one_line(e: BaseException) -> str:
 def _verifiers() -> Any:
     try:
         import verifiers.v1 as vf
-    except ImportError as e:
+    except ImportError:
         raise VerifiersConfigError(
-            f"verifiers environments need the verifiers package ({e}); install shardrl's `verifiers` extra"
+            "env.verifiers: needs the verifiers extra (pip install -e '.[verifiers]')"
         ) from None
     return vf
 
@@ -116,6 +123,55 @@ def load_env(spec: str, args: Mapping[str, Any] | None = None) -> Any:
     if not isinstance(env, vf.Env):
         raise VerifiersConfigError(f"{at}: got {type(env).__name__}, expected a verifiers.v1.Env")
     return env
+
+
+def env_tasks(env: Any, max_tasks: int | None = None) -> list[Any]:
+    """The tasks an environment of one agent is trained on: its taskset, cut at ``max_tasks``; one-line
+    VerifiersConfigError for an environment of several agents, or an infinite taskset without ``max_tasks``."""
+    roles = list(env.config.agent_harnesses())
+    if len(roles) != 1:
+        raise VerifiersConfigError(
+            f"verifiers environment {env.config.env_id!r} declares {len(roles)} agents ({', '.join(roles)}); only "
+            "environments of one agent are trained (the calls of all agents would share one sample)"
+        )
+    if max_tasks is None and not env.taskset.bounded:
+        raise VerifiersConfigError(
+            f"verifiers environment {env.config.env_id!r}: the taskset is infinite; set env.verifiers_max_tasks"
+        )
+    return list(itertools.islice(env.taskset, max_tasks))
+
+
+# (spec, args as JSON, max_tasks) -> (env, tasks): the worker's preflight and its _start want the same environment,
+# and loading one may read a dataset and import the environment's code, so a process pays for it once.
+_LOADED: dict[tuple[str, str, int | None], tuple[Any, list[Any]]] = {}
+
+
+def configured_env(cfg: ShardRLConfig) -> tuple[Any, list[Any]]:
+    """The environment ``env.verifiers`` names and its tasks (``env_tasks``), loaded once per process."""
+    e = cfg.env
+    if e.verifiers is None:
+        raise VerifiersConfigError(
+            "config: field env.verifiers is not set; it names the verifiers environment"
+        )
+    key = (e.verifiers, json.dumps(e.verifiers_args, sort_keys=True, default=str), e.verifiers_max_tasks)
+    if key not in _LOADED:
+        env = load_env(e.verifiers, json.loads(key[1]))  # a copy: verifiers may change what it is given
+        _LOADED[key] = env, env_tasks(env, e.verifiers_max_tasks)
+    return _LOADED[key]
+
+
+def env_prompts(cfg: ShardRLConfig) -> list[Prompt]:
+    """The prompts of ``data.task = "env"``: the tasks of ``env.verifiers``, in taskset order (``task_prompt``)."""
+    _, tasks = configured_env(cfg)
+    if not tasks:
+        raise VerifiersConfigError(f"env.verifiers ({cfg.env.verifiers!r}): the taskset has no tasks")
+    return [task_prompt(i, t) for i, t in enumerate(tasks)]
+
+
+def rubric_reward(response: str, answer: str | None, *, extra: Mapping[str, Any], sample: Any) -> float:
+    """The ``reward.function`` of an ``env.verifiers`` run (``buffer.config.VERIFIERS_REWARD``): the environment's
+    rubric scores its episodes (``VerifiersTask._reward``), so nothing calls this."""
+    raise RuntimeError("env.verifiers runs are scored by the environment's rubric, not by reward.function")
 
 
 def task_prompt(index: int, task: Any) -> Prompt:
@@ -203,7 +259,8 @@ def _settle(ready: Future[None], serving: Future[None]) -> None:
 class VerifiersTask(AgentTask):
     """Episodes of a verifiers environment against the task's own endpoint, scored by its rubric (module doc).
 
-    ``env`` is a loaded ``verifiers.v1.Env`` or a ``load_env`` spec (with ``env_args``).  The run's ``env``
+    ``env`` is a loaded ``verifiers.v1.Env`` or a ``load_env`` spec (with ``env_args``); ``tasks`` its tasks where
+    they are listed already (``configured_env``), else its taskset cut at ``max_tasks``.  The run's ``env``
     section gives the limits and ``agent_timeout_s``; ``env.agent`` and ``env.tools`` are ignored.  ``model`` is the
     model name the harness is told (what the endpoint answers to), ``sampling`` verifiers' sampling overrides put on
     every request (the endpoint samples with the run's ``rollout.sampling`` whatever they say).
@@ -217,6 +274,7 @@ class VerifiersTask(AgentTask):
         *,
         env_args: Mapping[str, Any] | None = None,
         max_tasks: int | None = None,
+        tasks: Sequence[Any] | None = None,
         model: str = "policy",
         sampling: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
@@ -225,23 +283,13 @@ class VerifiersTask(AgentTask):
     ):
         vf = _verifiers()
         self.env = load_env(env, env_args) if isinstance(env, str) else env
-        roles = list(self.env.config.agent_harnesses())
-        if len(roles) != 1:
-            raise VerifiersConfigError(
-                f"verifiers environment {self.env.config.env_id!r} declares {len(roles)} agents "
-                f"({', '.join(roles)}); only environments of one agent are trained (the calls of all agents "
-                "would share one sample)"
-            )
-        taskset = self.env.taskset
-        if max_tasks is None and not taskset.bounded:
-            raise VerifiersConfigError(
-                f"verifiers environment {self.env.config.env_id!r}: the taskset is infinite; pass max_tasks"
-            )
-        self.tasks = list(itertools.islice(taskset, max_tasks))
+        self.tasks = env_tasks(self.env, max_tasks) if tasks is None else list(tasks)
         # AgentTask runs the agent its config names; ours is a method, put in place once the base is built.
         agent_cfg = cfg.model_copy(
             update={
-                "env": cfg.env.model_copy(update={"agent": f"{__name__}:{_unbound.__name__}", "tools": []})
+                "env": cfg.env.model_copy(
+                    update={"agent": f"{__name__}:{_unbound.__name__}", "tools": [], "verifiers": None}
+                )
             }
         )
         super().__init__(agent_cfg, tokenizer, chat_template=chat_template, host=host, port=port)
@@ -327,6 +375,7 @@ class VerifiersTask(AgentTask):
         (trace,) = episode.traces
         answered = sum(1 for c in trace.calls if c.error is None)
         record["verifiers"] = {
+            "task": self.tasks[run.prompt.index].key,  # _play ran it, so the index is the taskset's
             "trace": trace.id,
             "rewards": {k: None if r is None else r.value for k, r in trace.rewards.items()},
             "metrics": dict(trace.metrics),

@@ -2,8 +2,9 @@
 (transformers, on the CPU): verifiers' own chat program, through verifiers' interception server, calls the worker's
 endpoint; the rows hold exactly the ids and logprobs the engine produced, each gets the reward verifiers' rubric
 gave its trace, and they pass the shard validation.  With the environment's MCP tool server the episode is
-multi-turn: the tool's result is an environment turn, masked out.  Skipped where verifiers is not installed (the
-``verifiers`` extra)."""
+multi-turn: the tool's result is an environment turn, masked out.  From the run config (``env.verifiers``,
+``data.task = "env"``), a real worker process publishes the environment's episodes as shards.  Skipped where
+verifiers is not installed (the ``verifiers`` extra)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,26 @@ import pytest
 pytest.importorskip("verifiers")
 
 from buffer import shards
-from buffer.config import ShardRLConfig
+from buffer.config import VERIFIERS_REWARD, ConfigError, ShardRLConfig
 from rollout_worker.engines.base import Completion, SamplingSpec
 from rollout_worker.engines.hf import HFEngine
 from rollout_worker.envs.endpoint import Complete
 from rollout_worker.envs.episode import ChatRenderer
-from rollout_worker.envs.verifiers_env import VerifiersConfigError, VerifiersTask, load_env
+from rollout_worker.envs.verifiers_env import (
+    TASK_KEY,
+    VerifiersConfigError,
+    VerifiersTask,
+    configured_env,
+    env_prompts,
+    load_env,
+)
 from rollout_worker.prompts import EncodedPrompt, Prompt
+from rollout_worker.worker import USER_ERRORS, preflight
+from shardrl.runs import init_run
 
 from ..unit.buffer_helpers import make_layout
 from ..unit.test_envs_calls import TEMPLATE
+from ._rollout_helpers import ready_rows, spawn, stop, tail, wait_for
 from .test_endpoint import TOL, ToolCallFirst, batched, model_logprob_gap, row_turns
 
 HERE = Path(__file__).parent
@@ -233,3 +244,72 @@ def test_environments_it_cannot_run_are_one_line_errors(engine: HFEngine) -> Non
         load_env("no_such_taskset")
     with pytest.raises(VerifiersConfigError, match=r"declares 2 agents \(solver, checker\)"):
         VerifiersTask(config(), engine.tokenizer, f"{ENV}:pair_env")
+
+
+def env_run(root: Path, model: Path, spec: str = ENV) -> Any:
+    """A run of ``spec`` from the config alone: no reward section (the rubric scores), two tasks, single turns."""
+    cfg = ShardRLConfig.model_validate(
+        {
+            "model": {"path": str(model)},
+            "data": {"task": "env", "max_prompt_length": 64},
+            "env": {"verifiers": spec, "verifiers_args": {**LOCAL, "taskset": {"num_tasks": 2}}},
+            "run": {"heartbeat_interval_s": 0.5},
+            "rollout": {
+                "engine": "hf",
+                "prompts_per_batch": 2,
+                "shard_samples": 4,
+                "flush_interval_s": 0.5,
+                "max_backlog_samples": 1_000_000,
+                "sampling": {"n": 2, "max_response_length": 16},
+            },
+        }
+    )
+    return init_run(root, cfg)
+
+
+def test_a_worker_runs_the_environment_the_config_names(tiny_model_untied: Path, tmp_path: Path) -> None:
+    run = env_run(tmp_path / "run", tiny_model_untied)
+    assert run.config.reward.function == VERIFIERS_REWARD  # what RUN/config.json says scores
+    expected = {p.index: p for p in env_prompts(run.config)}
+    assert [(p.text, p.answer) for p in expected.values()] == [("What is 2+3?", "5"), ("What is 3+4?", "7")]
+    log = tmp_path / "worker.log"
+    proc = spawn(["rollout_worker.worker", "--run", str(run.layout.root), "--slot", "0"], log)
+    try:
+        rows = wait_for(
+            "a shard of episodes", lambda: ready_rows(run) or None, 240, alive=lambda: proc.poll() is None
+        )
+    finally:
+        assert stop(proc, timeout=60) == 0, tail(log)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(run.tokenizer_dir))
+    assert {json.loads(r["extra"])["prompt_index"] for r in rows} == set(expected)  # a batch is both tasks
+    for r in rows:
+        p = expected[json.loads(r["extra"])["prompt_index"]]
+        assert p.text in r["prompt_text"] and r["answer"] == p.answer  # the taskset's task was the prompt
+        record = json.loads(r["episode"])
+        assert (
+            record["agent"] == "verifiers:_verifiers_envs"
+            and record["verifiers"]["task"] == p.extra[TASK_KEY]
+        )
+        assert set(record["verifiers"]["rewards"]) == {"correct", "brevity"}
+        reply = tok.decode(r["response_ids"], skip_special_tokens=True)  # the endpoint's reply to the harness
+        assert r["reward"] == pytest.approx(rubric(reply, str(p.answer)), abs=1e-6)  # float32 in the shard
+
+
+def test_an_environment_that_cannot_load_fails_preflight_in_one_line(
+    tiny_model_untied: Path, tmp_path: Path
+) -> None:
+    run = env_run(tmp_path / "run", tiny_model_untied, spec="no_such_taskset")  # init does not load it
+    with pytest.raises(USER_ERRORS) as e:
+        preflight(run)
+    assert isinstance(e.value, VerifiersConfigError) and "\n" not in str(e.value)
+    assert "'no_such_taskset': cannot load it" in str(e.value)
+    good = env_run(tmp_path / "good", tiny_model_untied)
+    assert configured_env(good.config) is configured_env(good.config)  # preflight's load is _start's
+    from rollout_worker.evaluator import eval_prompts
+
+    with pytest.raises(
+        ConfigError, match=r"^env.verifiers \('_verifiers_envs'\): the evaluator \(--eval\) does"
+    ):
+        eval_prompts(good.config)

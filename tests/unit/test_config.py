@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from buffer.config import (
+    VERIFIERS_REWARD,
     ConfigError,
     ShardRLConfig,
     apply_overrides,
@@ -135,6 +136,54 @@ def test_initial_workers_within_the_bound() -> None:
 def test_several_broken_rules_are_still_one_line() -> None:
     msg = refused(config(run__initial_workers=5, run__max_workers=4, rollout__max_staleness=9))
     assert msg.endswith("(and 1 more)")
+
+
+def verifiers_config(**dotted: Any) -> dict[str, Any]:
+    """A run of a verifiers environment: no reward section, the environment's tasks as prompts."""
+    data = config(**{"data__task": "env", "env__verifiers": "my_taskset", **dotted})
+    if data["reward"] == {"function": "max_digit"}:
+        del data["reward"]
+    return data
+
+
+def test_data_task_env_and_env_verifiers_go_together() -> None:
+    assert refused(config(data__task="env")) == (
+        "cfg.toml: data.task = 'env' needs env.verifiers: the prompts are the tasks of the environment it names"
+    )
+    assert refused(verifiers_config(data__task="max_digit")) == (
+        "cfg.toml: env.verifiers ('my_taskset') needs data.task = 'env' (not 'max_digit'): its tasks are the prompts"
+    )
+
+
+def test_env_verifiers_is_exclusive_with_tools_and_agent() -> None:
+    line = (
+        "cfg.toml: field env: Value error, env.verifiers is exclusive with env.agent and env.tools: the environment "
+        "runs its own agent and tools; set one of them"
+    )
+    assert refused(verifiers_config(env__agent="pkg.mod:agent")) == line
+    assert refused(verifiers_config(env__tools=["pkg.mod:tool"])) == line
+
+
+def test_a_verifiers_run_is_scored_by_its_rubric_alone(tmp_path: Path) -> None:
+    args = {"taskset": {"num_tasks": 100}, "agent": {"runtime": {"type": "subprocess"}}}
+    cfg = validate(verifiers_config(env__verifiers_args=args, env__verifiers_max_tasks=100), "cfg.toml")
+    assert cfg.reward.function == VERIFIERS_REWARD and cfg.env.verifiers_args == args
+    path = tmp_path / "config.json"  # the resolved config reopens as it was written
+    path.write_text(cfg.model_dump_json())
+    assert load_run_config(path) == cfg
+    assert refused(verifiers_config(reward={"function": "exact_match"})) == (
+        "cfg.toml: reward.function ('exact_match') is not used with env.verifiers ('my_taskset'): the "
+        "environment's rubric scores every episode; leave reward.function unset"
+    )
+    assert "is the rubric of env.verifiers, which is not set" in refused(
+        config(reward__function=VERIFIERS_REWARD)
+    )
+    assert "field env.verifiers_max_tasks: Input should be greater than or equal to 1" in refused(
+        verifiers_config(env__verifiers_max_tasks=0)
+    )
+    assert "'pkg.mod:' is neither a taskset id nor `package.module:function`" in refused(
+        verifiers_config(env__verifiers="pkg.mod:")
+    )
 
 
 def test_every_process_start_checks_the_rules_again(tmp_path: Path) -> None:
