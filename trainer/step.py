@@ -265,7 +265,7 @@ def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[
         mbs = _padded_microbatches(mine, t.max_tokens_per_microbatch, t.packing)
         shortest = min(samples, key=lambda s: s.length)  # the stand-in of empty micro-batches: cheapest
         batches = [_batch(mb, pad_id, device, shortest, t.packing) for mb in mbs]
-        tokens = [sum(len(s.response_ids) for s in mb) for mb in mbs]
+        tokens = [sum(s.loss_tokens for s in mb) for mb in mbs]  # as `_counts` counts them: shares sum to 1
         out.append(MiniBatch(mine, batches, tokens, _counts(mine, t.sequence_parallel)))
     return out
 

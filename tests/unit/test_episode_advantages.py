@@ -207,3 +207,24 @@ def test_episode_keys_are_read_from_the_episode_record() -> None:
     assert [s.episode_key for s in _samples(table)] == ["e7", "12", None, None, None, None, None]
     old = table.drop_columns(["episode"])  # a shard written before the column
     assert [s.episode_key for s in _samples(old)] == [None] * len(records)
+
+
+def test_step_metrics_weigh_micro_batches_by_the_tokens_the_loss_counts() -> None:
+    """Each micro-batch's share of a step's metrics is its part of the loss-masked tokens, so the shares sum to 1
+    and a metric that is 1.0 on every token (the importance weight of on-policy data) reads 1.0 for multi-turn
+    samples too, whose environment tokens are masked out (the shares once counted every response token: 76/63)."""
+    cfg = validate(
+        {
+            "reward": {"function": "max_digit"},
+            "rollout": {"sampling": {"n": 2, "max_response_length": 8}},
+            "trainer": {"samples_per_step": 4, "max_tokens_per_microbatch": 16},
+        },
+        "test",
+    )
+    samples = [
+        Sample(f"s{i}", "g", [1], [2, 3, 4, 5, 6], [-0.5] * 5, 1.0, 0, loss_mask=[1, 1, 0, 0, 1])
+        for i in range(4)
+    ]
+    (mini,) = step.minibatches(cfg, samples, pad_id=0)
+    assert len(mini.batches) > 1  # the point: several micro-batches
+    assert sum(mini.share(i, 1) for i in range(len(mini.batches))) == pytest.approx(1.0)
