@@ -13,7 +13,9 @@ refuses to start unless given ``--takeover``; then it fences out the first, whic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import io
 import sys
 
 from buffer.config import (
@@ -68,8 +70,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # A crash in native code (gloo, a kernel) kills a rank with SIGSEGV and no trace; this prints every thread's
-    # Python stack to the rank's stderr first, so its log says where it was.
-    faulthandler.enable()
+    # Python stack to the rank's stderr first, so its log says where it was.  (A stderr that is no file, as under a
+    # caller that captures it, has nowhere to write it.)
+    with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):
+        faulthandler.enable()
     args, rest = _parser().parse_known_args(argv)
     try:
         overrides = parse_overrides(rest)
