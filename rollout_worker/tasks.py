@@ -23,9 +23,8 @@ from dataclasses import dataclass
 TASKS = ("max_digit", "mod_add", "lookup")
 TOOL_TASKS = {"lookup": "rollout_worker.tasks:lookup"}  # a tool task -> its tool (env.tools)
 LOOKUP_HELD_OUT = 100
-LOOKUP_CODES = range(
-    1000, 10000
-)  # four digits without a leading zero: a code is a plain JSON number in the call
+# Four digits without a leading zero: a code is a plain JSON number in the call.
+LOOKUP_CODES = range(1000, 10000)
 LOOKUP_UNKNOWN = "unknown"  # the tool's result for a code the table has no entry for
 LOOKUP_NONE = "none"  # the reply to such a result
 _LOOKUP_KEY = b"shardrl lookup table"

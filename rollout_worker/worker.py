@@ -171,9 +171,8 @@ class RolloutWorker:
         self.lengths: LengthDraw | None = None
         self.groups: GroupStream | None = None  # rollout.streaming: the groups in flight
         self.tool_task: ToolTask | None = None
-        self.agent_task: Any = (
-            None  # envs.agent.AgentTask when env.agent is set (a VerifiersTask: env.verifiers)
-        )
+        # envs.agent.AgentTask when env.agent is set (a VerifiersTask with env.verifiers)
+        self.agent_task: Any = None
         # a thread-safe complete(prompt_ids, sampling) for episodes: a StreamCompleter (streaming) or a Batcher
         self.complete: Any = None
         self.weights: WeightFollower | None = None
