@@ -37,8 +37,10 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
+# Two pytest-xdist processes, a file at a time (tests/conftest.py); TEST_JOBS=0 runs the suite in this one process.
+TEST_JOBS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

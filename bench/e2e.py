@@ -454,9 +454,12 @@ def worker_figures(layout: RunLayout, poller: Poller, t0: float, t1: float) -> d
             if state == "paused":
                 paused[reason or "other"] += 1
     polls = max(1, len(window) * max(1, len(ids)))
-    busy, batch_s, tokens, engine_busy = 0.0, [], 0, []
+    busy, batch_s, tokens, engine_busy, aborted = 0.0, [], 0, [], 0
     for path in sorted(layout.metrics.glob("rollout-*.jsonl")):
-        for r in read_all(path):
+        records = read_all(path)
+        # streaming workers: samples stopped in flight as too stale to train on (a running count per worker)
+        aborted += max((int(r.get("aborted_stale_samples") or 0) for r in records), default=0)
+        for r in records:
             end, dur = stamp(r), r.get("batch_s")
             if end is not None and isinstance(dur, int | float) and overlap(end - dur, end, t0, t1) > 0:
                 busy += overlap(end - dur, end, t0, t1)
@@ -476,6 +479,7 @@ def worker_figures(layout: RunLayout, poller: Poller, t0: float, t1: float) -> d
         "worker_tokens_per_s": tokens / ((t1 - t0) * max(1, len(ids))),
         # streaming workers: the engine's busy share of the time they were not paused (their metrics lines)
         "engine_busy_frac": sum(engine_busy) / len(engine_busy) if engine_busy else None,
+        "aborted_stale_samples": aborted,
     }
 
 
@@ -531,6 +535,22 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
         "dropped_samples": sum(plans[s].dropped for s in steps),
         "dropped_samples_all_steps": sum(p.dropped for p in plans.values()),
+        **consumed_tokens(metrics, plans, trained, t1 - t0),
+    }
+
+
+def consumed_tokens(
+    metrics: dict[int, dict], plans: dict[int, Any], trained: list[int], window_s: float
+) -> dict:
+    """Response tokens the trainer consumed per second, from each step's ``response_len_mean``: with long-tailed
+    lengths a streaming worker hands in short groups first, so samples/s alone would favour it."""
+    lens = [(metrics[s].get("response_len_mean"), plans[s].samples) for s in trained]
+    if not lens or any(not isinstance(m, int | float) for m, _ in lens):
+        return {"consumed_tokens_per_s": None, "consumed_response_len_mean": None}
+    tokens = sum(float(m) * n for m, n in lens)
+    return {
+        "consumed_tokens_per_s": tokens / window_s,
+        "consumed_response_len_mean": tokens / sum(n for _, n in lens),
     }
 
 
@@ -557,13 +577,14 @@ def ratios(results: dict[str, dict[str, Any]], baseline: str = "samples_per_s") 
     }
 
 
-def streaming_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """samples/s of each streaming mode ``sK`` over the batch-by-batch mode ``K`` of the same bound."""
+def streaming_ratios(results: dict[str, dict[str, Any]], key: str = "samples_per_s") -> dict[str, float]:
+    """``key`` (samples/s, or consumed response tokens/s) of each streaming mode ``sK`` over the batch-by-batch
+    mode ``K`` of the same bound."""
     out = {}
     for name, r in results.items():
         batch = results.get(name[1:], {}) if name.startswith("s") and name[1:].isdigit() else {}
-        if "samples_per_s" in r and batch.get("samples_per_s"):
-            out[f"{name} vs {name[1:]}"] = r["samples_per_s"] / batch["samples_per_s"]
+        if r.get(key) and batch.get(key):
+            out[f"{name} vs {name[1:]}"] = r[key] / batch[key]
     return out
 
 
@@ -600,10 +621,26 @@ def table(results: dict[str, dict[str, Any]], ratio: dict[str, float], vs_serial
                 f"{name}: worker output {r['worker_tokens_per_s']:.0f} tokens/s"
                 + ("" if alone is None else f" = {alone:.2f}x the engine alone")
                 + ("" if busy is None else f"; engine busy {pct(busy)} of unpaused time")
+                + (
+                    f"; {r['aborted_stale_samples']} stopped in flight as too stale"
+                    if r.get("aborted_stale_samples")
+                    else ""
+                )
+            )
+    for name, r in results.items():
+        if r.get("consumed_tokens_per_s"):
+            rows.append(
+                f"{name}: the trainer consumed {r['consumed_tokens_per_s']:.0f} response tokens/s, "
+                f"{r['consumed_response_len_mean']:.1f} a sample"
             )
     stream = streaming_ratios(results)
     if stream:
-        rows.append("streaming over batch by batch: " + ", ".join(f"{k} {v:.2f}" for k, v in stream.items()))
+        by_tokens = streaming_ratios(results, "consumed_tokens_per_s")
+        rows.append(
+            "streaming over batch by batch: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in stream.items())
+            + (" (consumed tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in by_tokens.items()) + ")")
+        )
     alone = results.get("engine_alone")
     if alone is not None:
         rows.append(f"engine alone: {alone}")
@@ -642,7 +679,7 @@ def measure_mode(
         "streaming": streaming,
         "rollout_max_staleness": bound,
         "trainer_max_staleness": bound,
-        "max_backlog_samples": shape.backlog(bound),
+        "max_backlog_samples": shape.streaming_backlog(bound) if streaming else shape.backlog(bound),
     }
     try:
         layout, poller, wall = run_mode(args, root, mode_overrides(args, shape, bound, streaming))
@@ -763,6 +800,7 @@ def write_out(args: argparse.Namespace, shape: Shape, results: dict[str, dict[st
         "ratio": next((ratio[n] for n, _, _ in args.mode_list if n in ratio), None),
         "ratio_vs_serial_estimate": ratios(results, "serial_estimate_samples_per_s"),
         "ratio_streaming_vs_batch": streaming_ratios(results),
+        "ratio_streaming_vs_batch_tokens": streaming_ratios(results, "consumed_tokens_per_s"),
     }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 

@@ -17,6 +17,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +37,12 @@ def main() -> int:
     p.add_argument("--max-response-length", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="hf streaming engine: profile this many decode-loop steps from step 200 (top operators on stderr)",
+    )
     p.add_argument(
         "--batch",
         action="store_true",
@@ -60,6 +67,8 @@ def main() -> int:
         vllm_options={"cpu_kvcache_space_gib": 2},
         max_batch_size=args.in_flight,
     )
+    if args.profile_steps:
+        profile_steps(engine, 200, args.profile_steps)
     draw = LengthDraw(args.min_response_length, args.max_response_length, random.Random(0))
     rng = random.Random(1)
 
@@ -95,6 +104,32 @@ def main() -> int:
         out["timings"] = timings.report()
     print(json.dumps(out))
     return 0
+
+
+def profile_steps(engine: Any, first: int, count: int) -> None:
+    """Wrap the streaming engine's loop step so that steps ``first`` .. ``first + count`` run under the profiler
+    (it records the thread it is entered on: the engine's)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    inner, seen = engine._step, [0]
+
+    def step(joining: Any) -> None:
+        seen[0] += 1
+        if seen[0] == first:
+            prof.__enter__()
+        inner(joining)
+        if seen[0] == first + count:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            for key in (["self_cuda_time_total"] if cuda else []) + ["cpu_time_total", "self_cpu_time_total"]:
+                print(f"--- {count} steps, top operators by {key}", file=sys.stderr)
+                print(prof.key_averages().table(sort_by=key, row_limit=14), file=sys.stderr)
+
+    engine._step = step
 
 
 def batch_alone(args: argparse.Namespace, prompts: list[list[int]], longest: int) -> int:

@@ -20,6 +20,9 @@
 #                both on GPU 0 when there is one.  E2E_WORKERS (1) workers share the worker GPU; E2E_MODES (sync,1,2;
 #                sK = streaming workers at bound K); E2E_RESPONSE (32) response tokens; E2E_LENGTHS=loguniform with
 #                E2E_MIN (16): long-tailed lengths; E2E_ALONE=1: the streaming engine alone too; E2E_STEPS (5); E2E_SAMPLES (1024) per step
+#   stream       the streaming transformers engine's decode step on ragged rows (bench/ragged_decode.py, profiled),
+#                then the streaming and the batch engines alone on long-tailed lengths (bench/engine_alone.py), on a
+#                random Qwen2.5-0.5B-shaped model with the demo's tokens, bf16
 #   tests        the gpu-marked tests
 # Each section writes OUT_DIR/SECTION.txt; a section that fails or runs out of memory does not stop the others.
 set -u
@@ -64,6 +67,17 @@ for s in $SECTIONS; do
                 --response-length "${E2E_RESPONSE:-32}" --samples-per-step "${E2E_SAMPLES:-1024}" --steps "${E2E_STEPS:-5}" \
                 --lengths "${E2E_LENGTHS:-natural}" --min-response-length "${E2E_MIN:-16}" ${E2E_ALONE:+--engine-alone} \
                 --out "$OUT/e2e_w$N.json" ;;
+        stream)
+            M=/tmp/model-qwen2.5-0.5b
+            [ -d "$M" ] || python -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e import build_shaped_model; build_shaped_model('qwen2.5-0.5b', Path('$M'))"
+            python bench/ragged_decode.py --model "$M" --device cuda --dtype bfloat16 --rows 105 --length 550 --steps 30 --profile
+            python bench/ragged_decode.py --model "$M" --device cuda --dtype bfloat16 --rows 176 --length 550 --steps 30
+            A="--model $M --engine hf --samples 704 --in-flight 176 --lengths loguniform --min-response-length 16 --max-response-length 512 --dtype bfloat16"
+            for run in 1 2; do
+                python bench/engine_alone.py $A
+                python bench/engine_alone.py $A --batch
+            done
+            SHARDRL_ENGINE_TIMINGS=1 python bench/engine_alone.py $A ;;
         tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 ;;
         *) echo "unknown section $s" ;;
     esac 2>&1 | grep -v -i "warn" | tee -a "$OUT/$s.txt"

@@ -189,8 +189,10 @@ class WorkerStatus(StatusRecord):
     dropped_bad_logprob_groups: int = 0
     # Streaming workers (rollout.streaming): samples scored 0.0 because their reward call timed out or crashed;
     # requests in the engine; the engine's busy share of the time the worker was not paused; weight versions
-    # loaded under requests in flight.
+    # loaded under requests in flight; samples stopped while generating because the trainer would drop them (their
+    # group started more than trainer.max_staleness versions before LATEST).
     reward_timeouts: int = 0
+    aborted_stale_samples: int = 0
     requests_in_flight: int | None = None
     engine_busy: float | None = None
     reloads_in_flight: int = 0

@@ -324,6 +324,7 @@ def _worker(
         "engine_busy": w.engine_busy,
         "reloads_in_flight": w.reloads_in_flight,
         "reward_timeouts": w.reward_timeouts,
+        "aborted_stale_samples": w.aborted_stale_samples,
         "episodes": _episodes(w),
     }
 

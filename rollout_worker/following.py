@@ -89,10 +89,15 @@ class WeightFollower:
         rec = self._trainer() if trainer is _READ else trainer
         if rec is None:  # no trainer yet: the waiting samples make its first steps
             return waiting_steps // self.publish_every
-        newest = max(self.latest, rec.publishing or 0)
+        newest = self.newest_known(rec)
         planned = min(MAX_PLANNED_AHEAD, max(0, planned_step - rec.step))
         steps = max(planned, int(rec.state == "training")) + waiting_steps
         return newest - self.latest + steps // self.publish_every
+
+    def newest_known(self, trainer: TrainerStatus | None) -> int:
+        """The newest version known to exist: LATEST, or the one the trainer's record says it is publishing.  The
+        trainer's own version is that or newer."""
+        return max(self.latest, trainer.publishing or 0) if trainer is not None else self.latest
 
     def _trainer(self) -> TrainerStatus | None:
         try:

@@ -137,13 +137,14 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ the engine's processes
 
-    def watch_engine(self) -> None:
-        """Exit once a process of the engine dies under us.
+    def watch_engine(self, pids: set[int]) -> None:
+        """Exit once one of ``pids``, the engine's processes, dies under us.
 
         An engine that runs in child processes (vLLM's engine core) can die while ``generate`` waits for it, and a
         waiting call does not always notice.  The main thread gets a few seconds to report the failure itself.
+        Only the engine's: a reward or tool process that dies is a lost sample, not a lost worker.
         """
-        threading.Thread(target=self._watch_engine, args=(child_pids(),), daemon=True, name="engine").start()
+        threading.Thread(target=self._watch_engine, args=(set(pids),), daemon=True, name="engine").start()
 
     def _watch_engine(self, pids: set[int]) -> None:
         while pids and self.phase != "closing":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +31,7 @@ class _Group:
     seq: int
     prompt: EncodedPrompt
     outs: list[Completion | None]
+    version: int = 0  # the engine's version when the group started: no token of it is older
     scoring: Future[GroupRewards] | None = None
 
     @property
@@ -102,7 +104,7 @@ class GroupStream:
         """Submit the ``n`` requests of one group; sample ``j`` is seeded ``sampling.seed + j``."""
         seq = self.started
         self.started += 1
-        self.groups[seq] = _Group(seq, prompt, [None] * self.n)
+        self.groups[seq] = _Group(seq, prompt, [None] * self.n, version=self.engine.version)
         for j in range(self.n):
             spec = replace(
                 sampling,
@@ -151,9 +153,18 @@ class GroupStream:
 
     def abort_all(self) -> int:
         """Stop every request still generating; their groups are dropped.  Returns the samples dropped."""
+        return self._abort(lambda g: True)
+
+    def abort_older(self, version: int) -> int:
+        """Stop the groups still generating that started before ``version``: the trainer would drop them (their
+        oldest token is older than it accepts), so every further token of theirs is wasted engine time.  Returns
+        the samples dropped."""
+        return self._abort(lambda g: g.version < version)
+
+    def _abort(self, which: Callable[[_Group], bool]) -> int:
         dropped = 0
         for seq, g in list(self.groups.items()):
-            if g.scoring is not None:
+            if g.scoring is not None or not which(g):
                 continue
             for j, o in enumerate(g.outs):
                 if o is None:

@@ -97,7 +97,20 @@ def lookup_call(code: int) -> str:
 
 def lookup_reward(response: str, answer: str | None, *, extra: dict, sample: object) -> float:
     """The lookup task's reward (``reward.function = "rollout_worker.tasks:lookup_reward"``): the digit tasks'
-    score of the episode's last reply against the tool's value."""
+    score of the episode's last reply against the tool's value, and 0 for an episode whose call returned nothing.
+
+    Why the call must succeed: while the answers are still at chance, an episode with a broken call scores as much
+    as one with a working call (a random digit either way), so nothing holds the call in place and it can drift.
+    One run lost it that way at step 50 (every call an error from then on) and never recovered in 200 steps."""
     if answer is None:
         raise ValueError("the lookup task needs an answer for every prompt")
-    return digit_reward(response, answer)
+    return digit_reward(response, answer) if _looked_up(sample) else 0.0
+
+
+def _looked_up(sample: object) -> bool:
+    """Whether the episode holds a tool result that is not an error (``episode.py`` and ``sandbox.py`` write every
+    failed call's message as ``error: ...``)."""
+    messages = getattr(sample, "messages", None) or ()
+    return any(
+        m.get("role") == "tool" and not str(m.get("content", "")).startswith("error") for m in messages
+    )

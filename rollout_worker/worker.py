@@ -54,7 +54,15 @@ from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import EngineError, SamplingSpec, require_model_dir
 from rollout_worker.envs import EPISODE_COUNTERS, ToolTask, check_tools, episode_stats
 from rollout_worker.following import WeightFollower
-from rollout_worker.lifecycle import EXIT_CRASH, EXIT_LEASE, EXIT_OK, EXIT_USER, Lifecycle, leave
+from rollout_worker.lifecycle import (
+    EXIT_CRASH,
+    EXIT_LEASE,
+    EXIT_OK,
+    EXIT_USER,
+    Lifecycle,
+    child_pids,
+    leave,
+)
 from rollout_worker.prompts import (
     EncodedPrompt,
     Prompt,
@@ -187,6 +195,7 @@ class RolloutWorker:
             "dropped_reward_samples": 0,
             "dropped_bad_logprob_groups": 0,
             "reward_timeouts": 0,
+            "aborted_stale_samples": 0,
             "errors": 0,
         }
         life.final_status = self._final_status
@@ -305,6 +314,9 @@ class RolloutWorker:
         self._set(state="loading")
         start = time.monotonic()
         episodes = self.tool_task is not None or self.agent_task is not None
+        # The engine's processes are the children it adds: not a tool's zygote started before it, nor the reward
+        # processes started after it, whose deaths (a crashing or timed-out reward) are theirs to handle.
+        before = child_pids()
         if cfg.rollout.streaming:
             self.engine = make_streaming_engine(
                 kind,
@@ -316,6 +328,7 @@ class RolloutWorker:
                 lora_rank=cfg.model.lora.rank,
                 max_batch_size=self._max_in_flight(),
             )
+            engine_pids = child_pids() - before
             if episodes:  # each episode at its own pace, its turns requests of their own
                 from rollout_worker.engines.completer import StreamCompleter
 
@@ -332,6 +345,7 @@ class RolloutWorker:
                 vllm_options=vllm_options(self.run),
                 lora_rank=cfg.model.lora.rank,
             )
+            engine_pids = child_pids() - before
         if self.agent_task is not None and self.complete is None:  # its calls, from many threads, batched
             from rollout_worker.envs.endpoint import Batcher
 
@@ -339,7 +353,7 @@ class RolloutWorker:
                 self.engine.generate, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
             )
         self.life.install_signal_handlers()  # an engine library may have replaced them while starting
-        self.life.watch_engine()
+        self.life.watch_engine(engine_pids)
         log.info("%s: %s engine up in %.1fs on %s", self.worker_id, kind, time.monotonic() - start, _device())
         self.weights = WeightFollower(
             self.layout,
@@ -569,6 +583,7 @@ class RolloutWorker:
                 view = None
                 continue
             self._streamed(g.poll(STREAM_POLL_S, epoch=self.stream.epoch), meter)
+            self._abort_doomed(view)
             self._publish()
             self._stream_status(meter, state="paused" if idle else "running", reason=reason if idle else None)
         self._drain_stream(meter)
@@ -606,6 +621,24 @@ class RolloutWorker:
         assert self.groups is not None
         seed = derive_seed(self.cfg.run.seed, "group", self.slot, self.incarnation, self.groups.started)
         return replace(self._sampling(), seed=seed)
+
+    def _abort_doomed(self, view: Any) -> None:
+        """Stop the groups the trainer is sure to drop: started before its version - ``trainer.max_staleness`` (a
+        group's oldest token is no older than its start).  A long response can outlive the bound that admitted it;
+        cut now, its slots go to groups the trainer will take.
+
+        The trainer judges its next plan by the version it will hold then: at least LATEST, or the one it is
+        publishing.  (It may be one more, once the step it computes is done; the worker cannot tell for sure from
+        a record up to a second old, and stopping a group the trainer would keep would cost what it avoids.)"""
+        assert self.weights is not None and self.groups is not None
+        if self.cfg.algorithm.staleness_mode != "drop":
+            return
+        judged = self.weights.newest_known(view.trainer if view is not None and view.live else None)
+        if dropped := self.groups.abort_older(judged - self.cfg.trainer.max_staleness):
+            self.counters["aborted_stale_samples"] += dropped
+            log.info(
+                "%s: %d samples in flight would be too stale to train on, stopped", self.worker_id, dropped
+            )
 
     def _streamed(self, scored: ScoredBatch, meter: StreamMeter) -> None:
         """Count and queue the groups that came back scored."""
@@ -659,7 +692,7 @@ class RolloutWorker:
             **self.counters,
         )
         if now - meter.metrics_at >= METRICS_S:
-            self._metrics(**meter.interval())
+            self._metrics(**meter.interval(), aborted_stale_samples=self.counters["aborted_stale_samples"])
 
     def _drain_stream(self, meter: StreamMeter) -> None:
         """Stopping: no new group; the ones in flight finish and are scored until the drain's time is half gone,

@@ -119,6 +119,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--steps", type=int, default=None, help="trainer steps (default from the packaged demo.toml)"
     )
+    s.add_argument(
+        "--until-accuracy",
+        type=float,
+        default=None,
+        metavar="A",
+        help="stop early, once the evaluator scores a published version at greedy accuracy >= A (the trainer "
+        "finishes its step and checkpoints: `shardrl demo --run RUN` again resumes)",
+    )
     s = _sub(sub, "check-env", "pre-flight checks of this node (deploy/check_env.sh runs it on every node)")
     s.add_argument(
         "--wait-s", type=float, default=60.0, help="how long to wait for the other nodes under srun"

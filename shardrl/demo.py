@@ -182,6 +182,7 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     )
     children = [trainer, supervisor, evaluator]
     interrupted = False
+    reached: dict[str, Any] | None = None  # the eval record that met --until-accuracy
     added = args.workers <= 1 or read_state(layout).desired >= args.workers
     try:
         from rich.live import Live
@@ -196,6 +197,8 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
                         layout, "add", args.workers - read_state(layout).desired
                     )  # a second worker joins
                     added = True
+                if reached is None and (reached := _reached(layout, args.until_accuracy)) is not None:
+                    trainer.send_signal(signal.SIGTERM)  # it finishes the step, publishes and checkpoints
                 live.update(_view(run, evaluator, t0, target, True, counter))
     except KeyboardInterrupt:
         interrupted = True
@@ -204,7 +207,16 @@ def run_demo(args: argparse.Namespace, overrides: dict[str, str]) -> int:
     if interrupted:
         print(f"stopped; run `shardrl demo --run {layout.root}` again to resume from its checkpoint")
         return 130
-    return _finish(run, t0, target, trainer.returncode, init_s)
+    return _finish(run, t0, target, trainer.returncode, init_s, reached)
+
+
+def _reached(layout: RunLayout, until: float | None) -> dict[str, Any] | None:
+    """The newest eval record when its accuracy is ``until`` or more (one small record read, each half second)."""
+    if until is None:
+        return None
+    rec = metrics.last(layout.metrics_file("eval"))
+    acc = None if rec is None else _accuracy(rec)
+    return rec if acc is not None and acc >= until else None
 
 
 def _final_eval(layout: RunLayout) -> None:
@@ -220,17 +232,29 @@ def _final_eval(layout: RunLayout) -> None:
         )
 
 
-def _finish(run: Run, t0: float, target: int, trainer_rc: int | None, init_s: float) -> int:
+def _finish(
+    run: Run,
+    t0: float,
+    target: int,
+    trainer_rc: int | None,
+    init_s: float,
+    reached: dict[str, Any] | None = None,
+) -> int:
     layout = run.layout
     _final_eval(layout)
     evals = _evals(layout)
     latest = weights.latest_version(layout)
     final = next((r for r in evals if r["version"] == latest), None)
     initial = next((r for r in evals if r["version"] == 0), None)
+    scored = [r for r in evals if _accuracy(r) is not None]
+    best = max(scored, key=lambda r: (_accuracy(r), r["version"]), default=None)
     tr = _trainer(layout)
     summary = {
         "initial_accuracy": None if initial is None else _accuracy(initial),
         "final_accuracy": None if final is None else _accuracy(final),
+        # the version to export (`shardrl export --version N`) when the last one scores lower
+        "best_accuracy": None if best is None else _accuracy(best),
+        "best_version": None if best is None else best["version"],
         "steps": tr.step if tr else 0,
         "target_steps": target,
         "samples_consumed": BacklogCounter(layout).read([]).consumed_samples,
@@ -239,6 +263,8 @@ def _finish(run: Run, t0: float, target: int, trainer_rc: int | None, init_s: fl
         "init_s": round(init_s, 1),
         "accuracy_by_step": [(r["step"], _accuracy(r)) for r in evals],
         "trainer_exit_code": trainer_rc,
+        # --until-accuracy: the version whose accuracy stopped the run early, None when it ran its steps
+        "stopped_early_at_version": None if reached is None else reached["version"],
     }
     layout.demo_summary.write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "accuracy_by_step"}, indent=1))

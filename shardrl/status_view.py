@@ -172,13 +172,15 @@ def _workers(con: Console, workers: list[dict[str, Any]]) -> None:
 
 
 def _engine(w: dict[str, Any]) -> str:
-    """A streaming worker's engine: requests in flight, busy share, weight versions loaded under requests."""
+    """A streaming worker's engine: requests in flight, busy share, weight versions loaded under requests, and
+    samples stopped in flight as too stale to train on (when any)."""
     if w.get("requests_in_flight") is None:
         return "-"
     busy = w.get("engine_busy")
+    aborted = w.get("aborted_stale_samples") or 0
     return (
         f"{w['requests_in_flight']} in flight, busy {'-' if busy is None else f'{busy:.0%}'}, "
-        f"{w.get('reloads_in_flight', 0)} reloads"
+        f"{w.get('reloads_in_flight', 0)} reloads" + (f", {aborted} stopped as stale" if aborted else "")
     )
 
 

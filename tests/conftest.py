@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,49 @@ def tiny_model_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tied", tied=True)
 
 
+# `make test` spreads the suite over two pytest-xdist processes, a file at a time (a file's module fixtures, an
+# engine or a trainer, start once).  The Slurm tests share one cluster per process, and two clusters on one machine
+# would fight over slurmd's node names and ports: their files are one unit, so one process runs them all.
+TOGETHER = {
+    "tests/integration/test_check_env.py": "slurm",
+    "tests/integration/test_slurm_e2e.py": "slurm",
+    "tests/integration/test_slurm_smoke.py": "slurm",
+}
+# Files that take minutes go first, so that the two processes end together instead of one waiting on the last of
+# these (measured with --durations; the rest keep their collection order).
+LONG_FIRST = (
+    "tests/integration/test_tool_learning.py",
+    "tests/integration/test_first_run.py",
+    "tests/integration/test_slurm_e2e.py",
+    "tests/integration/test_slurm_smoke.py",
+    "tests/integration/test_check_env.py",
+)
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Whole files to a process (the Slurm files together), in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return TOGETHER.get(_file(nodeid), _file(nodeid))
+
+    config.option.loadscopereorder = False  # keep LONG_FIRST's order, not the count of tests a file has
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(_file(item.nodeid), len(rank)))  # stable: the rest keep their order
+    _skip_gpu_tests(items)
+
+
+def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     """`gpu` tests need a CUDA device; where there is none (CI, this kind of machine) they are skipped."""
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
     if not gpu_items:

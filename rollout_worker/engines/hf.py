@@ -27,6 +27,7 @@ from rollout_worker.engines.base import (
     require_model_dir,
     safetensors_files,
 )
+from rollout_worker.engines.ragged_attention import sdpa_backends
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +124,7 @@ class HFEngine:
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
         import torch
+        from torch.nn.attention import sdpa_kernel
 
         check_prompts(prompt_ids, sampling, self.max_model_len)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
@@ -130,7 +132,9 @@ class HFEngine:
         rows = [list(p) for p in prompt_ids for _ in range(sampling.n)]
         each = sampling.max_tokens_each or [sampling.max_tokens] * len(rows)
         done: list[Completion] = []
-        with torch.inference_mode():
+        # Prompts of different lengths mean a padding mask, for which PyTorch would pick cuDNN's attention: it plans
+        # its kernel on the host for every new shape, and the cache grows a column a step (ragged_attention.py).
+        with torch.inference_mode(), sdpa_kernel(sdpa_backends()):
             for start in range(0, len(rows), self.max_batch_size):
                 end = start + self.max_batch_size
                 done.extend(self._generate_batch(rows[start:end], sampling, generator, each[start:end]))

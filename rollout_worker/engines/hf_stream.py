@@ -38,6 +38,7 @@ from rollout_worker.engines.base import (
     plan_load,
 )
 from rollout_worker.engines.hf import HFEngine, process_logits
+from rollout_worker.engines.ragged_attention import decode_mask, install, prefill_mask
 
 if TYPE_CHECKING:
     import torch
@@ -114,6 +115,7 @@ class StreamingHFEngine:
                 "set rollout.streaming = false or model.lora.rank = 0"
             )
         self.hf = HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, device=device)
+        install(self.hf.model)
         self.model_dir = self.hf.model_dir
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
@@ -304,7 +306,10 @@ class StreamingHFEngine:
         positions = [len(r.prompt_ids) + len(r.ids) - 1 for r in self._rows]
         positions_t = torch.tensor(positions, device=self.hf.device)[:, None]
         out = self.hf.model(
-            input_ids=last, attention_mask=self._mask, position_ids=positions_t, past_key_values=self._cache
+            input_ids=last,
+            attention_mask=decode_mask(self._mask),
+            position_ids=positions_t,
+            past_key_values=self._cache,
         )
         return out.logits[:, -1, :].float()
 
@@ -315,16 +320,16 @@ class StreamingHFEngine:
         seqs = [r.sequence for r in rows]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(rows), width), self.hf.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
         for i, s in enumerate(seqs):
             ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
+            mask[i, width - len(s) :] = True
         ids, mask = ids.to(self.hf.device), mask.to(self.hf.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.hf.model.config)
         out = self.hf.model(
             input_ids=ids,
-            attention_mask=mask,
+            attention_mask=prefill_mask(mask),
             position_ids=positions,
             past_key_values=cache,
             logits_to_keep=1,

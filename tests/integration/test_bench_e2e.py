@@ -51,6 +51,11 @@ def test_e2e_bench_writes_both_modes_and_their_ratio(tmp_path: Path) -> None:
         assert 0 <= mode["worker_paused_frac"] <= 1
         assert mode["trainer_idle_source"] == "trainer metrics wait_s"
         assert sum(mode["staleness_hist"].values()) == SAMPLES, name
+        # the response tokens consumed: the samples' mean length (at least a token) over the window
+        assert mode["consumed_response_len_mean"] >= 1
+        assert mode["consumed_tokens_per_s"] == pytest.approx(
+            mode["consumed_response_len_mean"] * SAMPLES / mode["window_s"]
+        )
     # sync consumes only samples of the trainer's newest weights; staleness 1 never anything older
     assert set(result["modes"]["sync"]["staleness_hist"]) == {"0"}
     assert set(result["modes"]["1"]["staleness_hist"]) <= {"0", "1"}

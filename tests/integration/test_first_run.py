@@ -18,6 +18,7 @@ from buffer import heartbeats, metrics, weights
 from buffer.layout import RunLayout
 from buffer.status import snapshot
 
+from ._common import free_port
 from ._rollout_helpers import ROOT, spawn, stop, tail, wait_for
 
 DEMO = ROOT / "shardrl" / "configs" / "demo.toml"
@@ -111,7 +112,7 @@ def test_the_shipped_cpu_config_runs_unchanged_without_slurm(tmp_path: Path) -> 
                 "-m",
                 "torch.distributed.run",
                 "--nproc_per_node=1",
-                "--master_port=29731",
+                f"--master_port={free_port()}",
                 "-m",
                 "trainer",
                 "--run-dir",

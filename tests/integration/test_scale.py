@@ -36,7 +36,9 @@ def test_calls_per_check_are_bounded_and_do_not_grow_with_the_run(tmp_path: Path
     for path in ("fresh_worker", "trainer_start"):
         assert large[path]["calls"] <= 1.2 * small[path]["calls"], (path, small, large)
     # the one O(W) cost: the trainer reading each live worker's record once a refresh, whatever the run's length
-    assert large["feed_refresh"]["calls"] == pytest.approx(small["feed_refresh"]["calls"], abs=0.5)
+    # (a minute's boundary crossed while measuring adds a listing or two once; scale.py averages over 10 refreshes)
+    refresh = (small["feed_refresh"], large["feed_refresh"])
+    assert large["feed_refresh"]["calls"] == pytest.approx(small["feed_refresh"]["calls"], abs=0.5), refresh
     assert large["feed_refresh"]["calls"] >= 64
 
 

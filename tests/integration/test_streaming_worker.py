@@ -7,6 +7,8 @@ tiny model, a real run directory, real scoring processes.
   whose ``token_versions`` name both versions, with ``policy_version`` the oldest, and they validate.
 - A reward function that hangs or kills its process costs only the sample it was scoring (0.0, counted), never the
   worker, which keeps publishing.
+- Groups still generating when LATEST moves past their start by more than ``trainer.max_staleness`` are stopped
+  (the trainer would drop them), counted, and the worker goes on with the new weights.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ N = 4
 pytestmark = pytest.mark.slow
 
 
-def _run(root: Path, model: Path, **rollout: Any) -> Run:
+def _run(root: Path, model: Path, *, staleness: int = 1000, **rollout: Any) -> Run:
     reward = rollout.pop("reward", {"function": "max_digit"})
     sampling = {"n": N, "max_response_length": 8, **rollout.pop("sampling", {})}
     return make_run(
@@ -44,19 +46,33 @@ def _run(root: Path, model: Path, **rollout: Any) -> Run:
             "flush_interval_s": 0.5,
             "weights_poll_s": 0.2,
             "threads_per_worker": 1,
-            "max_staleness": 1000,
+            "max_staleness": staleness,
             "max_backlog_samples": 1_000_000,
             "sampling": sampling,
             **rollout,
         },
         reward=reward,
-        trainer={"max_staleness": 1000, "samples_per_step": 8},
+        trainer={"max_staleness": staleness, "samples_per_step": 8},
         run={"heartbeat_interval_s": 0.5},
     )
 
 
 def _worker(run: Run, log: Path) -> subprocess.Popen:
     return spawn(["rollout_worker.worker", "--run", str(run.layout.root), "--slot", "0"], log)
+
+
+def _generating(run: Run, tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A worker started and seen with requests in its engine, its log, and a perturbed copy of ``model`` to
+    publish under it."""
+    new = write_perturbed(model, tmp_path / "v", tied=False)
+    log = tmp_path / "w0.log"
+    w = _worker(run, log)
+    try:
+        wait_for("generating", lambda: (worker(run, "w0").get("requests_in_flight") or 0) > 0, 180)
+    except BaseException:
+        stop(w)
+        raise
+    return w, log, new
 
 
 def _ready(run: Run) -> int:
@@ -90,25 +106,24 @@ def test_the_backlog_bound_holds_to_a_group(tmp_path: Path, tiny_model_untied: P
 
 
 def test_weights_change_under_requests_in_flight(tmp_path: Path, tiny_model_untied: Path) -> None:
+    # No backlog bound: the worker keeps its engine full, so the reload always lands under requests in flight.
+    # (With a bound it could pause, idle, before the version was seen, and load it under nothing.)
     run = _run(
         tmp_path / "run",
         tiny_model_untied,
-        max_backlog_samples=64,
+        max_in_flight=4 * N,
         sampling={"max_response_length": 96, "lengths": "loguniform", "min_response_length": 48},
     )
-    new = write_perturbed(tiny_model_untied, tmp_path / "v1", tied=False)
-    log = tmp_path / "w0.log"
-    w = _worker(run, log)
+    w, log, new = _generating(run, tmp_path, tiny_model_untied)
     try:
-        wait_for("generating", lambda: (worker(run, "w0").get("requests_in_flight") or 0) > 0, 180)
         _publish(run, new, 1)
         wait_for("v1 loaded", lambda: worker(run, "w0").get("weights_version") == 1, 60)
-        wait_for("paused at the backlog", lambda: worker(run, "w0").get("paused_reason") == "backlog", 120)
+        wait_for("a sample spanning the update published", lambda: _mixed(ready_rows(run)), 120)
     finally:
         stop(w)
     assert w.returncode == 0, log.read_text()[-3000:]
     rows = ready_rows(run)  # every shard validated, token_versions included
-    mixed = [r for r in rows if r["token_versions"] is not None]
+    mixed = _mixed(rows)
     assert mixed, "no sample spans the weight update"
     for r in mixed:
         vs = r["token_versions"]
@@ -116,6 +131,37 @@ def test_weights_change_under_requests_in_flight(tmp_path: Path, tiny_model_unti
         assert len(vs) == len(r["response_ids"])
     assert {r["policy_version"] for r in rows} <= {0, 1}
     assert worker(run, "w0")["reloads_in_flight"] >= 1
+
+
+def _mixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples whose tokens came from more than one weight version."""
+    return [r for r in rows if r["token_versions"] is not None]
+
+
+def test_groups_the_trainer_would_drop_are_stopped_in_flight(tmp_path: Path, tiny_model_untied: Path) -> None:
+    run = _run(
+        tmp_path / "run",
+        tiny_model_untied,
+        staleness=1,
+        max_in_flight=4 * N,
+        sampling={"max_response_length": 400, "lengths": "loguniform", "min_response_length": 350},
+    )
+    w, log, new = _generating(run, tmp_path, tiny_model_untied)
+    try:
+        # two versions at once: everything started under version 0 is now 2 behind, past the bound of 1
+        _publish(run, new, 1)
+        _publish(run, new, 2)
+        wait_for(
+            "stale groups stopped", lambda: (worker(run, "w0").get("aborted_stale_samples") or 0) > 0, 60
+        )
+        wait_for("v2 loaded", lambda: worker(run, "w0").get("weights_version") == 2, 60)
+        rec = worker(run, "w0")
+        assert rec["state"] in ("running", "paused") and rec["aborted_stale_samples"] % N == 0
+    finally:
+        stop(w)
+    assert w.returncode == 0, log.read_text()[-3000:]
+    assert "would be too stale to train on, stopped" in log.read_text()
+    ready_rows(run)  # what was published validates: no group was published in part
 
 
 def test_a_hung_or_crashing_reward_costs_its_sample_not_the_worker(
@@ -139,7 +185,13 @@ def test_a_hung_or_crashing_reward_costs_its_sample_not_the_worker(
         return {"7", "8"} <= answers and (worker(run, "w0").get("reward_timeouts") or 0) >= 2
 
     try:
-        wait_for("a hung and a crashed reward scored 0, later groups published", both_lost, 300)
+        wait_for(
+            "a hung and a crashed reward scored 0, later groups published",
+            both_lost,
+            300,
+            alive=lambda: w.poll() is None,  # a reward process's death must not end the worker
+            detail=lambda: log.read_text()[-3000:],
+        )
         assert worker(run, "w0")["state"] in ("running", "paused")
     finally:
         stop(w)

@@ -282,8 +282,14 @@ def test_environment_tokens_get_no_gradient() -> None:
             norms=Normalisers(tokens=float(a.loss_tokens + b.loss_tokens)),
         )
         got = grads(loss)
-        assert all(torch.allclose(g, w, atol=1e-6, rtol=1e-4) for g, w in zip(got, want, strict=True)), packed
-        assert not all(torch.allclose(g, e, atol=1e-6, rtol=1e-4) for g, e in zip(got, every, strict=True))
+        assert all(_close(g, w) for g, w in zip(got, want, strict=True)), packed
+        assert not all(_close(g, e) for g, e in zip(got, every, strict=True))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to float32 summation order, relative to the tensor's scale: an element-wise tolerance fails on
+    elements near zero when another CPU sums in another order (3e-6 absolute seen on an AMD EPYC)."""
+    return float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
 def test_run_batch_scores_whole_groups_and_drops_a_prompt_without_room(tokenizer: Any) -> None:

@@ -210,3 +210,13 @@ def test_view_of_a_finished_run():
     text = _text(snap)
     assert "finished: trained step 3 of trainer.total_steps 3 (weights v3)" in text
     assert "warning" not in text and "pending" not in text and "waits for" not in text
+
+
+def test_view_of_a_streaming_worker_shows_its_engine_and_the_samples_it_stopped_as_stale():
+    snap = _built_snapshot()
+    streaming = {"requests_in_flight": 48, "engine_busy": 0.97, "reloads_in_flight": 3}
+    snap["workers"][0] |= streaming
+    snap["workers"][1] |= streaming | {"aborted_stale_samples": 16}
+    rows = {line.split()[1]: line for line in _text(snap).splitlines() if line.strip().startswith("│ w")}
+    assert "48 in flight, busy 97%, 3 reloads" in rows["w0"] and "stale" not in rows["w0"]
+    assert "3 reloads, 16 stopped as stale" in rows["w1"]
