@@ -117,7 +117,7 @@ def test_racing_supervisors_apply_each_command_exactly_once(tmp_path):
     for generation, (action, count) in enumerate(commands, start=1):
         _echo_slowly(layout.control_file, json.dumps({"action": action, "count": count}))
         expected = {"add": expected + count, "remove": expected - count, "set": count}[action]
-        wait_for(f"desired {expected}", lambda e=expected: control.read_state(layout).desired == e, 5, 0.05)
+        wait_for(f"desired {expected}", lambda e=expected: control.read_state(layout).desired == e, 30, 0.05)
         assert control.read_state(layout).desired == expected
         # every supervisor has seen this command's outcome: from here a second application would show as an extra
         # generation in the count below
