@@ -718,6 +718,9 @@ def engine_alone(args: argparse.Namespace, shape: Shape, model: Path) -> dict[st
         "--dtype",
         cfg.model.dtype,
     ]
+    if cfg.rollout.vllm is not None:  # the workers' own engine settings, so the limit is the same engine's
+        options = cfg.rollout.vllm.model_dump(exclude={"dtype", "max_model_len"})
+        cmd += ["--vllm-options", json.dumps(options)]
     gpus = args.worker_gpus.split(",")[0] if args.worker_gpus else ""
     done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(gpus), check=False)
     if done.returncode != 0:

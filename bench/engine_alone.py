@@ -38,6 +38,11 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--vllm-options",
+        default='{"cpu_kvcache_space_gib": 2}',
+        help="vLLM engine options as JSON (rollout.vllm's keys): bench/e2e.py passes the workers' own",
+    )
+    p.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -64,7 +69,7 @@ def main() -> int:
         Path(args.model),
         dtype=resolve_dtype(args.dtype, cuda=torch.cuda.is_available()),
         max_model_len=args.max_model_len or longest + args.max_response_length + 8,
-        vllm_options={"cpu_kvcache_space_gib": 2},
+        vllm_options=json.loads(args.vllm_options),
         max_batch_size=args.in_flight,
     )
     if args.profile_steps:

@@ -20,6 +20,10 @@
 #                both on GPU 0 when there is one.  E2E_WORKERS (1) workers share the worker GPU; E2E_MODES (sync,1,2;
 #                sK = streaming workers at bound K); E2E_RESPONSE (32) response tokens; E2E_LENGTHS=loguniform with
 #                E2E_MIN (16): long-tailed lengths; E2E_ALONE=1: the streaming engine alone too; E2E_STEPS (5); E2E_SAMPLES (1024) per step
+#                E2E_ENGINE (hf) or vllm: a vLLM worker with CUDA graphs, E2E_VLLM_MEM (0.35) of the GPU's memory
+#                (the trainer shares GPU 0 with it when there is one GPU), E2E_VLLM_SEQS (512) sequences at once;
+#                E2E_SHAPE (qwen2.5-0.5b) the model's shape
+#   vllm         the gpu-marked vLLM tests (tests/integration/test_gpu_vllm.py); bench/gpu_install.sh installs vLLM
 #   stream       the streaming transformers engine's decode step on ragged rows (bench/ragged_decode.py, profiled),
 #                then the streaming and the batch engines alone on long-tailed lengths (bench/engine_alone.py), on a
 #                random Qwen2.5-0.5B-shaped model with the demo's tokens, bf16
@@ -31,6 +35,9 @@ shift
 SECTIONS=${*:-trainer trainer7b lora7b offload offload7b publish lora delta reload buffer e2e tests}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+SITE=${SHARDRL_GPU_SITE:-/root/shardrl-site}
+# shellcheck disable=SC1091
+[ -f "$SITE/env.sh" ] && source "$SITE/env.sh"  # what bench/gpu_install.sh installed
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 RUN="python -m torch.distributed.run --nproc_per_node=$NGPU"
 { nvidia-smi -L; free -g | head -2; python -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)"; } \
@@ -62,11 +69,17 @@ for s in $SECTIONS; do
             W=$([ "$NGPU" -ge 2 ] && echo 1 || echo 0)
             N=${E2E_WORKERS:-1}
             DEV=cuda:$W; for ((i = 1; i < N; i++)); do DEV=$DEV,$W; done
-            python bench/e2e.py --engine hf --shape qwen2.5-0.5b --set model.dtype=bfloat16 --trainer-device cuda:0 \
+            ENGINE=${E2E_ENGINE:-hf}
+            VLLM=()
+            [ "$ENGINE" = vllm ] && VLLM=(--set rollout.vllm.enforce_eager=false
+                --set "rollout.vllm.gpu_memory_utilization=${E2E_VLLM_MEM:-0.35}"
+                --set "rollout.vllm.max_num_seqs=${E2E_VLLM_SEQS:-512}")
+            python bench/e2e.py --engine "$ENGINE" --shape "${E2E_SHAPE:-qwen2.5-0.5b}" --set model.dtype=bfloat16 \
+                "${VLLM[@]}" --timeout-s "${E2E_TIMEOUT:-1800}" --trainer-device cuda:0 \
                 --worker-device "$DEV" --workers "$N" --modes "${E2E_MODES:-sync,1,2}" \
                 --response-length "${E2E_RESPONSE:-32}" --samples-per-step "${E2E_SAMPLES:-1024}" --steps "${E2E_STEPS:-5}" \
                 --lengths "${E2E_LENGTHS:-natural}" --min-response-length "${E2E_MIN:-16}" ${E2E_ALONE:+--engine-alone} \
-                --out "$OUT/e2e_w$N.json" ;;
+                --out "$OUT/e2e_${ENGINE}_w$N.json" ;;
         stream)
             M=/tmp/model-qwen2.5-0.5b
             [ -d "$M" ] || python -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e import build_shaped_model; build_shaped_model('qwen2.5-0.5b', Path('$M'))"
@@ -79,6 +92,7 @@ for s in $SECTIONS; do
             done
             SHARDRL_ENGINE_TIMINGS=1 python bench/engine_alone.py $A ;;
         tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 ;;
+        vllm) python -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_gpu_vllm.py 2>&1 | tail -40 ;;
         *) echo "unknown section $s" ;;
     esac 2>&1 | grep -v -i "warn" | tee -a "$OUT/$s.txt"
 done

@@ -30,11 +30,15 @@ def test_nccl_trainer_trains_and_publishes_bf16(tmp_path: Path, tiny_model_untie
     assert [r["step"] for r in m] == [1, 2, 3] and all(r["grad_norm"] > 0 for r in m)
     v = weights.read_latest(layout, checksums=True)
     assert v is not None and v.version == 3 and v.dtype == "bfloat16"
-    cfg = json.loads((v.path / "config.json").read_text())
-    assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16"
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(v.path)).to("cuda")
+    from buffer.localcache import NodeCache
+
+    # v3 is a delta version (trainer.publish_full_every): the node-local cache rebuilds it into an HF directory
+    full = NodeCache(layout, tmp_path / "cache").materialise(3).path
+    cfg = json.loads((full / "config.json").read_text())
+    assert cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(str(full)).to("cuda")
     assert next(model.parameters()).dtype == torch.bfloat16
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3, 4]], device="cuda")).logits
