@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
     device = tdist.init()
     me, world = tdist.rank(), tdist.world()
-    cfg = Qwen2Config(**PRESETS[args.preset], max_position_embeddings=4096)
+    cfg = Qwen2Config(**{**PRESETS[args.preset], "max_position_embeddings": 4096})
     tied = bool(cfg.tie_word_embeddings)
     scratch = args.dir / args.preset
     layout, src, naive_file, raw_file = (

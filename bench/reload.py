@@ -55,8 +55,7 @@ def build_model(out: Path, preset: str, dtype: str) -> Path:
     tiny = build_tiny_model(out.parent / f"{out.name}-tokenizer")
     tok = AutoTokenizer.from_pretrained(tiny)
     cfg = Qwen2Config(
-        **PRESETS[preset],
-        max_position_embeddings=4096,
+        **{**PRESETS[preset], "max_position_embeddings": 4096},
         bos_token_id=tok.eos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.eos_token_id,

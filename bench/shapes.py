@@ -13,6 +13,7 @@ def _qwen2(
     intermediate: int,
     vocab: int,
     tied: bool = True,
+    positions: int = 32768,
 ) -> dict[str, Any]:
     return dict(
         hidden_size=hidden,
@@ -22,11 +23,13 @@ def _qwen2(
         intermediate_size=intermediate,
         vocab_size=vocab,
         tie_word_embeddings=tied,
+        # the published models' context: vLLM refuses a max_model_len past it
+        max_position_embeddings=positions,
     )
 
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": _qwen2(128, 2, 4, 2, 256, 300),
+    "tiny": _qwen2(128, 2, 4, 2, 256, 300, positions=512),
     "qwen2-0.1b": _qwen2(512, 12, 8, 2, 2816, 151936),
     "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, 151936),
     "qwen2.5-1.5b": _qwen2(1536, 28, 12, 2, 8960, 151936),

@@ -146,7 +146,7 @@ def build_lm(preset: str, seq_len: int, device: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(**PRESETS[preset], max_position_embeddings=max(4096, seq_len))
+    cfg = Qwen2Config(**{**PRESETS[preset], "max_position_embeddings": max(4096, seq_len)})
     torch.manual_seed(0)  # the same weights on every rank before sharding
     with torch.device(device):
         return AutoModelForCausalLM.from_config(cfg).float()

@@ -146,7 +146,7 @@ def build_tiny_model(
     """Build the tiny model and tokenizer into ``out`` (HF format, float32) and return ``out``.
 
     ``shape`` replaces the decoder's size (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
-    ``num_key_value_heads``, ``intermediate_size``) while the tokenizer, and so the vocabulary, stays the tiny one:
+    ``num_key_value_heads``, ``intermediate_size``, ``max_position_embeddings``) while the tokenizer, and so the vocabulary, stays the tiny one:
     a model of a published model's compute with the built-in tasks' tokens, for benchmarks that run the demo task.
 
     Deterministic: the same ``seed`` and ``tied`` give the same files.  The directory appears complete or not at all
@@ -170,6 +170,7 @@ def build_tiny_model(
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
     )
     if shape is not None:
         unknown = set(shape) - set(size)
@@ -179,7 +180,6 @@ def build_tiny_model(
     config = Qwen2Config(
         vocab_size=tok.get_vocab_size(),
         **size,
-        max_position_embeddings=MAX_POSITIONS,
         initializer_range=init_std,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=tied,

@@ -141,8 +141,15 @@ class WorkerExtension:
         return time.perf_counter() - start
 
 
-def configure_cpu_env(options: dict[str, Any]) -> None:
-    """Environment for vLLM's CPU backend, read by the processes it spawns (harmless on the CUDA build).
+def configure_env(options: dict[str, Any]) -> None:
+    """Environment for vLLM, read by the processes it starts.
+
+    Start method: always ``spawn`` (the CPU build chooses it anyway).  vLLM forks its engine process unless CUDA
+    is initialised in this one, but ``torch.cuda.is_available()`` (``model.dtype = "auto"`` asks it) already marks
+    this process so that CUDA cannot start in a forked child: on an H200 every worker died with "Cannot
+    re-initialize CUDA in forked subprocess" while the same engine built in a process that had used CUDA ran.
+
+    CPU backend (harmless on the CUDA build):
 
     KV cache: ``cpu_kvcache_space_gib`` (whole GiB; vLLM reads an integer).  Threads: ``cpu_threads_bind`` becomes
     ``VLLM_CPU_OMP_THREADS_BIND`` (``"0-3"``, ``"4-7"``, ...).  Without it vLLM's ``auto`` binding stays: the model
@@ -151,6 +158,7 @@ def configure_cpu_env(options: dict[str, Any]) -> None:
     no gain from the second core either).  Several engines on one node must each get their own cores: ``auto``
     would put every engine on the same ones.  A value already in the environment (supervisor, user) always wins.
     """
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     gib = options.get("cpu_kvcache_space_gib")
     if gib is not None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(float(gib))))
@@ -207,7 +215,7 @@ class VllmEngine:
     ) -> None:
         model_dir = require_model_dir(Path(model_dir))
         options = dict(options or {})
-        configure_cpu_env(options)
+        configure_env(options)
         from vllm import LLM
         from vllm.platforms import current_platform
 

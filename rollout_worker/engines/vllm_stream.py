@@ -45,7 +45,7 @@ from rollout_worker.engines.vllm import (
     _is_engine_death,
     _stderr_since,
     _stderr_size,
-    configure_cpu_env,
+    configure_env,
     llm_kwargs,
     root_cause,
 )
@@ -77,7 +77,7 @@ class StreamingVllmEngine:
             )
         model_dir = require_model_dir(Path(model_dir))
         options = dict(options or {})
-        configure_cpu_env(options)
+        configure_env(options)
         from vllm.platforms import current_platform
 
         self.model_dir = model_dir

@@ -39,10 +39,12 @@ OPTIONS = {"gpu_memory_utilization": 0.15, "max_num_seqs": 64}
 def _vllm_cuda() -> None:
     import torch
 
+    # is_available() only: a process that has not used CUDA yet, as a rollout worker has not when it starts its
+    # engine (a worker on an H200 once died there, while an engine built after CUDA was in use ran)
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     vllm = pytest.importorskip("vllm")
-    print(f"vllm {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    print(f"vllm {vllm.__version__}, torch {torch.__version__}")
 
 
 def bf16_model(model_dir: Path) -> Path:
