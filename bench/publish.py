@@ -304,21 +304,23 @@ def delta_bench(actor, layout, args, tied: bool, src: Path, vocab: int) -> None:
     """Full vs delta versions of the same weights after each optimizer step: bytes, publish and reload times."""
     from buffer.localcache import NodeCache
     from trainer import dist as tdist
+    from trainer.delta_base import DeltaBase
     from trainer.publish import publish_weights
 
     me = tdist.rank()
+    base = DeltaBase()
 
     def publish(v: int, **kw) -> None:  # type: ignore[no-untyped-def]
         publish_weights(actor, layout, v, v, dtype=args.dtype, tied=tied, src_model_dir=src, **kw)
 
-    publish(1, keep_base=True)  # the base, and the warm-up of the code paths
+    publish(1, base=base)  # the base, and the warm-up of the code paths
     caches = args.dir / args.preset / "caches"
     rows = []
     v = 2
     for r in range(args.repeat):
         _step(actor, vocab, args.lr, seed=r)
         t_full = timed(lambda v=v: publish(v))
-        t_delta = timed(lambda v=v: publish(v + 1, delta_base=1))
+        t_delta = timed(lambda v=v: publish(v + 1, delta_base=1, base=base))
         if me == 0:
             full_cache = NodeCache(layout, caches / f"full-{r}")
             start = time.perf_counter()

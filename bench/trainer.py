@@ -194,7 +194,7 @@ def microbatch_shares(cfg: Any, samples: list[Any], world: int, packed: bool) ->
 
     Every rank runs as many micro-batches as the busiest one, and each costs a pass over all FSDP units whatever
     it holds, so that count matters as much as the padding."""
-    from trainer.data import assign_to_ranks, microbatches
+    from trainer.batching import assign_to_ranks, microbatches
 
     seen, counts = 0, []
     for mine in assign_to_ranks(samples, world):
@@ -209,7 +209,7 @@ def microbatch_shares(cfg: Any, samples: list[Any], world: int, packed: bool) ->
 def bare_batches(cfg: Any, samples: list[Any], device: Any) -> list[dict[str, Any]]:
     """This rank's micro-batches exactly as the padded trainer splits them, with labels on the response tokens."""
     from trainer import dist as tdist
-    from trainer.data import assign_to_ranks, collate, microbatches
+    from trainer.batching import assign_to_ranks, collate, microbatches
 
     mine = assign_to_ranks(samples, tdist.world())[tdist.rank()]
     out = []

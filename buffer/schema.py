@@ -7,6 +7,9 @@ single-turn row, so a single-turn shard reads as before and a shard written befo
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -48,6 +51,15 @@ TYPED_OPTIONAL = [*MULTITURN_NAMES, "token_versions"]  # optional columns whose 
 REQUIRED_NAMES = [f.name for f in REQUIRED_FIELDS]
 OPTIONAL_NAMES = [f.name for f in OPTIONAL_FIELDS]
 SAMPLE_SCHEMA = pa.schema(REQUIRED_FIELDS + OPTIONAL_FIELDS)
+
+# Logprobs are log-softmax outputs: <= 0 up to float32 rounding.  The one tolerance every writer and reader uses.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def logprobs_ok(values: Iterable[float]) -> bool:
+    """Whether every value is a logprob a shard may hold: finite and not above 0 (up to ``LOGPROB_TOLERANCE``)."""
+    return all(math.isfinite(x) and x <= LOGPROB_TOLERANCE for x in values)
+
 
 # Keys of the file's schema metadata.
 META_SCHEMA_VERSION = b"shardrl.schema_version"

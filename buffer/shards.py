@@ -55,6 +55,7 @@ from .fsio import (
 )
 from .layout import BUCKET_S, RunLayout
 from .schema import (
+    LOGPROB_TOLERANCE,
     META_RUN_ID,
     OPTIONAL_NAMES,
     REQUIRED_NAMES,
@@ -65,8 +66,6 @@ from .schema import (
 )
 
 SUFFIX = ".arrow"
-# Logprobs are log-softmax outputs: <= 0 up to float32 rounding.
-LOGPROB_TOLERANCE = 1e-4
 # Reads of this size keep the CRC-32 of each piece in the CPU cache, so checking costs about the copy alone.
 READ_CHUNK = 16 << 20
 # A bucket whose time is past by this much takes no new shard: more than any clock skew between nodes plus the time

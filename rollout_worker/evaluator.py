@@ -33,7 +33,6 @@ from buffer.records import RecordError
 from buffer.run import Run
 from buffer.status import read_finished
 from buffer.weights import WeightsError, latest_version, published_versions, verify_version
-from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.base import Engine, EngineError, SamplingSpec
 from rollout_worker.envs import ToolTask
 from rollout_worker.envs.episode import group_rows, run_episodes
@@ -248,23 +247,14 @@ def build(run: Run) -> Evaluator:
     """Prompts, reward and engine, built once (user errors first, before the engine starts)."""
     from transformers import AutoTokenizer
 
-    from rollout_worker.engines import make_engine
+    from rollout_worker.engines.spec import EngineSpec
     from rollout_worker.prompts import derive_seed
-    from rollout_worker.worker import engine_dtype, vllm_options
 
     cfg = run.config
     prompts, scorer = eval_prompts(cfg), make_scorer(cfg.reward)
     tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer_dir))
     encoded = encode_prompts(run, prompts, tokenizer)
-    engine = make_engine(
-        resolve_kind(cfg.rollout.engine),
-        run.model_dir,
-        dtype=engine_dtype(run),
-        seed=derive_seed(cfg.run.seed, "eval"),
-        max_model_len=cfg.context_length(),
-        vllm_options=vllm_options(run),
-        lora_rank=cfg.model.lora.rank,
-    )
+    engine = EngineSpec.of_run(run, derive_seed(cfg.run.seed, "eval")).batch_engine()
     tool_task = ToolTask(cfg, tokenizer) if cfg.env.tools else None
     return Evaluator(run, engine, encoded, scorer, tool_task)
 

@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from buffer.schema import logprobs_ok as valid_logprobs
 from rollout_worker.engines.base import Completion
 from rollout_worker.prompts import EncodedPrompt
 from rollout_worker.rewards import GroupRewards
 
 # Logprobs are log-softmax outputs: <= 0 up to float32 rounding (the shard schema's tolerance).
-LOGPROB_TOLERANCE = 1e-4
 
 # (prompt texts, response texts) -> one score per pair; the reward model's ``score``.
 ModelScorer = Callable[[list[str], list[str]], list[float]]
@@ -50,7 +50,7 @@ class ScoredBatch:
 
 
 def logprobs_ok(outs: Sequence[Completion]) -> bool:
-    return all(math.isfinite(x) and x <= LOGPROB_TOLERANCE for c in outs for x in c.response_logprobs)
+    return all(valid_logprobs(c.response_logprobs) for c in outs)
 
 
 def score_batch(

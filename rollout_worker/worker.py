@@ -4,13 +4,15 @@ Started by the node supervisor as its own process (one per leased worker slot)::
 
     python -m rollout_worker.worker --run RUN --slot K [--worker-id wK] [--section.key value ...]
 
-and runnable by hand the same way.  The loop, between batches: follow the trainer's weight versions
-(``following``); refuse to start a batch while more than ``rollout.max_staleness`` versions behind (state ``paused``,
-reason ``stale``) or while the run's unconsumed backlog is above ``rollout.max_backlog_samples`` (reason
-``backlog``); both count the samples the other workers are generating (their ``in_flight``, as the trainer's record
-last copied it: ``admission``), so a fleet stops where one worker would, instead of overshooting by a batch per
-worker into samples the trainer drops as stale, and a check reads one file whatever the fleet's size; generate n samples per prompt; score whole groups (``scoring``); publish whole groups as shards
-(``publishing``).
+and runnable by hand the same way.  The worker is a host around one rollout source (``rollout_worker/sources``:
+single-turn batches, single-turn streaming, or multi-turn episodes), which makes and scores samples; the host owns
+everything else.  Its loop: ask the source for a step; the source asks ``admit`` before it starts samples, which
+follows the trainer's weight versions (``following``) and refuses while more than ``rollout.max_staleness``
+versions behind (state ``paused``, reason ``stale``) or while the run's unconsumed backlog is above
+``rollout.max_backlog_samples`` (reason ``backlog``); both count the samples the other workers are generating (their
+``in_flight``, as the trainer's record last copied it: ``admission``), so a fleet stops where one worker would,
+instead of overshooting by a batch per worker into samples the trainer drops as stale, and a check reads one file
+whatever the fleet's size.  What the step made is counted once and published as whole groups (``publishing``).
 
 How it ends (``lifecycle``): SIGTERM/SIGINT, or the supervisor dying, drains: the batch in flight is finished, every
 complete group is published, state ``stopped``, exit 0.  A signal while the engine is still starting, or a second
@@ -36,23 +38,21 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from buffer import metrics
-from buffer.config import ConfigError, ShardRLConfig, parse_overrides, resolve_dtype
+from buffer.config import parse_overrides
 from buffer.control import LeaseWatch
 from buffer.heartbeats import load_worker, worker_status
 from buffer.logs import setup_logging
 from buffer.records import RecordError
 from buffer.run import Run, open_run
 from buffer.shards import ShardWriter, new_incarnation
-from rollout_worker.admission import Admission
-from rollout_worker.checks import require_answers
+from rollout_worker.admission import Admission, View
 from rollout_worker.engines import resolve_kind
-from rollout_worker.engines.base import EngineError, SamplingSpec, require_model_dir
-from rollout_worker.envs import EPISODE_COUNTERS, ToolTask, check_tools, episode_stats
+from rollout_worker.engines.spec import EngineSpec
+from rollout_worker.envs import EPISODE_COUNTERS, ToolTask
 from rollout_worker.following import WeightFollower
 from rollout_worker.lifecycle import (
     EXIT_CRASH,
@@ -63,35 +63,28 @@ from rollout_worker.lifecycle import (
     child_pids,
     leave,
 )
+from rollout_worker.preflight import USER_ERRORS, preflight
 from rollout_worker.prompts import (
-    EncodedPrompt,
     Prompt,
-    PromptError,
     PromptStream,
     derive_seed,
-    load_prompts,
     make_encoder,
 )
 from rollout_worker.publishing import GroupPublisher
-from rollout_worker.rewards import RewardConfigError, Scorer, make_scorer
-from rollout_worker.scoring import ScoredBatch, score_batch
-from rollout_worker.streaming import GroupStream, InlineScorer, LengthDraw, StreamMeter
+from rollout_worker.rewards import Scorer
+from rollout_worker.sources import Produced, RolloutSource
+from rollout_worker.sources.batch import BatchSource
+from rollout_worker.sources.episodes import EpisodeSource, make_complete, make_task
+from rollout_worker.sources.streaming import StreamingSource, max_in_flight
+from rollout_worker.streaming import LengthDraw
 
 __all__ = ["EXIT_CRASH", "EXIT_LEASE", "EXIT_OK", "EXIT_USER", "USER_ERRORS", "preflight", "worker_id_for"]
 
-USER_ERRORS = (ConfigError, PromptError, RewardConfigError, EngineError)
 PAUSE_S = 0.5  # a paused worker looks again this often (or at every weights poll, when that is sooner)
 # Another worker's in-flight samples count while its record is younger than this many heartbeats plus the clock
 # skew between nodes (records carry the writer's wall clock).
 IN_FLIGHT_BEATS = 5
 CLOCK_SKEW_S = 10.0
-# Streaming: the trainer's record is read at most this often (samples started since are added to it), the engine is
-# asked for finished requests for at most STREAM_POLL_S at a time, and the status record written at most every
-# STATUS_S, a metrics line every METRICS_S.
-ADMISSION_S = 0.25
-STREAM_POLL_S = 0.05
-STATUS_S = 0.5
-METRICS_S = 5.0
 log = logging.getLogger("shardrl.rollout")
 
 
@@ -99,51 +92,9 @@ def worker_id_for(slot: int) -> str:
     return f"w{slot}"
 
 
-def max_model_len(run: Run) -> int:
-    return run.config.context_length()
-
-
-def preflight(run: Run) -> tuple[list[Prompt], Scorer]:
-    """Every check a user can fail before any engine starts: model, prompts, reward, tools.  One-line errors."""
-    cfg = run.config
-    resolve_kind(cfg.rollout.engine)
-    require_model_dir(run.model_dir, "model directory (model.path)")
-    if cfg.model.tokenizer:
-        require_model_dir(run.tokenizer_dir, "tokenizer directory (model.tokenizer)")
-    prompts = run_prompts(cfg)
-    scorer = make_scorer(cfg.reward)
-    check_tools(cfg)
-    require_answers(cfg, prompts)
-    if cfg.reward.reward_model and not (Path(cfg.reward.reward_model) / "config.json").is_file():
-        raise RewardConfigError(
-            f"{cfg.reward.reward_model}: reward.reward_model is not a HF model directory (no config.json)"
-        )
-    return prompts, scorer
-
-
-def run_prompts(cfg: ShardRLConfig) -> list[Prompt]:
-    """The run's prompts: the data source's, or with ``env.verifiers`` the environment's tasks (loaded here first,
-    and kept for ``_start``: ``verifiers_env.configured_env``)."""
-    if cfg.env.verifiers is None:
-        return load_prompts(cfg.data)
-    from rollout_worker.envs.verifiers_env import env_prompts
-
-    return env_prompts(cfg)
-
-
-def vllm_options(run: Run) -> dict[str, Any]:
-    vllm = run.config.rollout.vllm  # None when this process runs the hf engine
-    return vllm.model_dump(exclude={"max_model_len"}) if vllm is not None else {}
-
-
-def engine_dtype(run: Run) -> str:
-    import torch
-
-    return resolve_dtype(run.config.model.dtype, cuda=torch.cuda.is_available())
-
-
 class RolloutWorker:
-    """The loop of one worker process; ``serve()`` returns the exit code."""
+    """The loop of one worker process, the host of one rollout source (``rollout_worker/sources``); ``serve()``
+    returns the exit code."""
 
     def __init__(
         self, run: Run, slot: int, worker_id: str, life: Lifecycle, *, supervisor: str | None = None
@@ -176,15 +127,11 @@ class RolloutWorker:
             may_publish=lambda: life.fenced is None,
         )
         self.engine: Any = None
-        self.lengths: LengthDraw | None = None
-        self.groups: GroupStream | None = None  # rollout.streaming: the groups in flight
-        self.tool_task: ToolTask | None = None
-        # envs.agent.AgentTask when env.agent is set (a VerifiersTask with env.verifiers)
-        self.agent_task: Any = None
-        # a thread-safe complete(prompt_ids, sampling) for episodes: a StreamCompleter (streaming) or a Batcher
-        self.complete: Any = None
+        self.source: RolloutSource | None = None
         self.weights: WeightFollower | None = None
-        self.batches = 0
+        self._view: View | None = None  # what admission last read of the run
+        self._viewed_at = -math.inf
+        self._since = 0  # samples the source started since that view
         self.sink = metrics.wandb_sinks(run, f"rollout-{worker_id}")  # JSONL is written by _metrics itself
         self.counters = {
             "samples": 0,
@@ -200,15 +147,20 @@ class RolloutWorker:
         }
         life.final_status = self._final_status
 
+    @property
+    def batches(self) -> int:
+        return self.source.batches if self.source is not None else 0
+
+    @property
+    def pending_samples(self) -> int:
+        return self.publisher.pending_samples
+
     # ------------------------------------------------------------------ the loop, as a table of contents
 
     def serve(self, prompts: list[Prompt], scorer: Scorer) -> int:
         try:
             self._start(prompts, scorer)
-            if self.groups is not None:
-                self._stream()
-            else:
-                self._loop()
+            self._loop()
             return self._finish()
         except USER_ERRORS as e:
             self.publisher.discard()
@@ -219,40 +171,28 @@ class RolloutWorker:
             return self._crashed(e)
         finally:
             self.life.phase = "closing"
-            with contextlib.suppress(Exception):
-                self.sink.close()
-            if self.groups is not None:
-                with contextlib.suppress(Exception):
-                    self.groups.scorer.close()
-            for closing in (self.agent_task, self.complete):
-                if hasattr(closing, "close"):
+            for closing in (self.sink, self.source, self.engine):
+                if closing is not None:
                     with contextlib.suppress(Exception):
                         closing.close()
-            if self.engine is not None:
-                with contextlib.suppress(Exception):
-                    self.engine.close()
 
     def _loop(self) -> None:
-        assert self.weights is not None
-        step = self.cfg.trainer.samples_per_step
+        """Step the source while admission lets it, count and publish what it made; drain it at the end."""
+        assert self.source is not None
         while not self.life.stop_requested:
-            # What the trainer will have without a batch of ours: the backlog, ours waiting, the others' batches.
-            view = self.admission.view(self.publisher.published_samples, self.publisher.pending_samples)
-            coming = view.coming
-            rec = view.trainer
-            newest = (
-                rec.published_version if view.live and rec is not None and rec.publishing is None else None
-            )
-            if not self.weights.catch_up(coming // step, view.planned_step, rec, newest):
-                self._pause("stale", latest_version=self.weights.latest)
+            out = self.source.step(self.admit)
+            self._since += out.started
+            if out.paused is not None:
+                view = self._view
+                self._pause(
+                    out.paused, **({"backlog": view.backlog} if out.paused == "backlog" and view else {})
+                )
+                self._view = None  # read the run again after a pause
                 continue
-            # Below a step's worth nothing pauses: whatever the bound, the trainer must be able to fill a step.
-            if coming > self.cfg.rollout.max_backlog_samples and coming >= step:
-                self._pause("backlog", backlog=view.backlog)
-                continue
-            self._batch(view.backlog)
+            self._take(out)
             self._publish()
-            self._set_in_flight(self.publisher.pending_samples)
+            self.source.tick()
+        self.source.drain(self._take, lambda: self.life.fenced is None)
 
     def _finish(self) -> int:
         """The loop stopped: publish what is complete (unless the slot is no longer ours), state ``stopped``."""
@@ -280,78 +220,64 @@ class RolloutWorker:
         self._set(state="failed", last_error=line, **self.counters)
         return EXIT_CRASH
 
+    # ------------------------------------------------------------------ admission, for every source
+
+    def view(self) -> View | None:
+        return self._view
+
+    def admit(self, extra: int = 0, poll: bool = True) -> str | None:
+        """Why no more samples may start now (``stale`` / ``backlog``), or None.  What the trainer will have
+        without them: the backlog, ours waiting or generating, the other workers' batches; ``extra`` samples the
+        source is starting now.  ``poll``: load a newer version first when one is due (``catch_up``)."""
+        assert self.weights is not None and self.source is not None
+        now = time.monotonic()
+        if self._view is None or now - self._viewed_at >= self.source.admission_every_s:
+            pending = self.publisher.pending_samples + self.source.generating()
+            self._view = self.admission.view(self.publisher.published_samples, pending)
+            self._viewed_at, self._since = now, 0
+        view, step = self._view, self.cfg.trainer.samples_per_step
+        coming, rec = view.coming + self._since + extra, view.trainer
+        if poll:
+            newest = (
+                rec.published_version if view.live and rec is not None and rec.publishing is None else None
+            )
+            if not self.weights.catch_up(coming // step, view.planned_step, rec, newest):
+                return "stale"
+        elif self.weights.too_stale(coming // step, view.planned_step, rec):
+            return "stale"
+        # Below a step's worth nothing pauses: whatever the bound, the trainer must be able to fill a step.
+        if coming > self.cfg.rollout.max_backlog_samples and coming >= step:
+            return "backlog"
+        return None
+
     # ------------------------------------------------------------------ start
 
     def _start(self, prompts: list[Prompt], scorer: Scorer) -> None:
         from transformers import AutoTokenizer
 
-        from rollout_worker.engines import make_engine, make_streaming_engine
-
         cfg = self.cfg
-        self.scorer = scorer
         kind = resolve_kind(cfg.rollout.engine)
         self._set(state="starting", engine=kind, weights_version=None, **self.counters)
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer_dir))
         self.stream = self._prompt_stream(prompts, tokenizer)
-        self.tool_task = ToolTask(cfg, tokenizer) if cfg.env.tools else None
-        if cfg.env.verifiers:
-            from rollout_worker.envs.verifiers_env import VerifiersTask, configured_env
-
-            env, tasks = configured_env(cfg)  # what preflight loaded: the prompts are these tasks
-            self.agent_task = VerifiersTask(cfg, tokenizer, env, tasks=tasks)
-        elif cfg.env.agent:
-            from rollout_worker.envs.agent import AgentTask
-
-            self.agent_task = AgentTask(cfg, tokenizer)
-        self.reward_model = None
+        task = make_task(cfg, tokenizer)
+        reward_model = None
         if cfg.reward.reward_model:
             from rollout_worker.rewards import RewardModel
 
-            self.reward_model = RewardModel(cfg.reward.reward_model)
-        self.lengths = self._length_draw()
+            reward_model = RewardModel(cfg.reward.reward_model)
         self.life.phase = "loading"
         self._set(state="loading")
         start = time.monotonic()
-        episodes = self.tool_task is not None or self.agent_task is not None
         # The engine's processes are the children it adds: not a tool's zygote started before it, nor the reward
         # processes started after it, whose deaths (a crashing or timed-out reward) are theirs to handle.
         before = child_pids()
-        if cfg.rollout.streaming:
-            self.engine = make_streaming_engine(
-                kind,
-                self.run.model_dir,
-                dtype=engine_dtype(self.run),
-                seed=derive_seed(cfg.run.seed, "engine", self.slot),
-                max_model_len=max_model_len(self.run),
-                vllm_options=vllm_options(self.run),
-                lora_rank=cfg.model.lora.rank,
-                max_batch_size=self._max_in_flight(),
-            )
-            engine_pids = child_pids() - before
-            if episodes:  # each episode at its own pace, its turns requests of their own
-                from rollout_worker.engines.completer import StreamCompleter
-
-                self.complete = StreamCompleter(self.engine)
-            else:
-                self.groups = self._group_stream()
-        else:
-            self.engine = make_engine(
-                kind,
-                self.run.model_dir,
-                dtype=engine_dtype(self.run),
-                seed=derive_seed(cfg.run.seed, "engine", self.slot),
-                max_model_len=max_model_len(self.run),
-                vllm_options=vllm_options(self.run),
-                lora_rank=cfg.model.lora.rank,
-            )
-            engine_pids = child_pids() - before
-        if self.agent_task is not None and self.complete is None:  # its calls, from many threads, batched
-            from rollout_worker.envs.endpoint import Batcher
-
-            self.complete = Batcher(
-                self.engine.generate, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
-            )
+        self.engine = self._engine()
+        engine_pids = child_pids() - before
+        self.source = self._source(
+            task, tokenizer, scorer, None if reward_model is None else reward_model.score
+        )
         self.life.install_signal_handlers()  # an engine library may have replaced them while starting
         self.life.watch_engine(engine_pids)
         log.info("%s: %s engine up in %.1fs on %s", self.worker_id, kind, time.monotonic() - start, _device())
@@ -369,6 +295,28 @@ class RolloutWorker:
         self._set(weights_version=self.weights.version, latest_version=self.weights.latest)
         self.life.phase = "running"
 
+    def _engine(self) -> Any:
+        spec = EngineSpec.of_run(self.run, derive_seed(self.cfg.run.seed, "engine", self.slot))
+        if self.cfg.rollout.streaming:
+            return spec.streaming_engine(max_in_flight(self.cfg))
+        return spec.batch_engine()
+
+    def _source(self, task: Any, tokenizer: Any, scorer: Scorer, model_scorer: Any) -> RolloutSource:
+        """The run's rollout source: episodes when the run has an environment, else single-turn batches or, with
+        ``rollout.streaming``, single-turn groups streamed through the engine."""
+        streaming = self.cfg.rollout.streaming
+        if task is not None:
+            complete = None
+            if streaming or not isinstance(
+                task, ToolTask
+            ):  # a batch engine's tool task calls generate itself
+                complete = make_complete(self.engine, tokenizer, streaming)
+            return EpisodeSource(self, self.engine, task, complete, streaming=streaming)
+        lengths = self._length_draw()
+        if streaming:
+            return StreamingSource(self, self.engine, scorer, lengths=lengths, model_scorer=model_scorer)
+        return BatchSource(self, self.engine, scorer, lengths=lengths, model_scorer=model_scorer)
+
     def _length_draw(self) -> LengthDraw | None:
         """``rollout.sampling.lengths = "loguniform"``: each sample's own length (benchmarks)."""
         s = self.cfg.rollout.sampling
@@ -380,7 +328,7 @@ class RolloutWorker:
     def _prompt_stream(self, prompts: list[Prompt], tokenizer: Any) -> PromptStream:
         """This slot's prompt stream, resumed where the previous incarnation left it when the source is the same."""
         cfg = self.cfg
-        limit = min(cfg.data.max_prompt_length, max_model_len(self.run) - 1)
+        limit = min(cfg.data.max_prompt_length, self.cfg.context_length() - 1)
         resume = self.previous if self.previous.get("prompt_source") == self._source_key(prompts) else {}
         return PromptStream(
             prompts,
@@ -397,256 +345,24 @@ class RolloutWorker:
         source = self.cfg.env.verifiers if data.task == "env" else data.prompts_file
         return f"{data.task}:{source}:{len(prompts)}"
 
-    # ------------------------------------------------------------------ one batch
+    # ------------------------------------------------------------------ what a source made
 
-    def _batch(self, backlog: int) -> None:
-        assert self.weights is not None
-        prompts = self.stream.next_batch(self.cfg.rollout.prompts_per_batch)
-        version = self.weights.version
-        # The cursor moves before generating: a batch that kills the engine is skipped after a restart.
-        self._set(
+    def starting(self, samples: int) -> None:
+        """The record before a batch of ``samples`` starts: its prompts are drawn, the cursor moved past them."""
+        view = self._view
+        self.report(
             state="running",
-            in_flight=self.publisher.pending_samples + len(prompts) * self.cfg.rollout.sampling.n,
+            in_flight=self.publisher.pending_samples + samples,
             paused_reason=None,
-            backlog=backlog,
-            prompt_source=self._source_key(self.stream.prompts),
-            prompt_epoch=self.stream.epoch,
-            prompt_cursor=self.stream.cursor,
-            dropped_too_long=self.stream.skipped_too_long,
-        )
-        start = time.monotonic()
-        if (
-            self.tool_task is not None or self.agent_task is not None
-        ):  # multi-turn: episodes generate and score
-            scored, generated = self._episodes(prompts, version)
-            seconds = max(time.monotonic() - start, 1e-9)
-        else:
-            spec = self._sampling()
-            if self.lengths is not None:
-                each = [self.lengths() for _ in range(len(prompts) * spec.n)]
-                spec = replace(spec, max_tokens_each=each, ignore_eos=True)
-            outputs = self.engine.generate([p.ids for p in prompts], spec)
-            seconds = max(time.monotonic() - start, 1e-9)
-            scored = self._score(prompts, outputs, version)
-            generated = sum(len(c.response_ids) for out in outputs for c in out)
-        self.publisher.add(scored.groups)
-        self.batches += 1
-        tps = generated / seconds
-        episodes: dict[str, float] = {}
-        if self.tool_task is not None or self.agent_task is not None:
-            episodes = episode_stats(scored.groups)
-            for k in EPISODE_COUNTERS:
-                self.counters[k] = self.counters.get(k, 0) + int(episodes[k])
-        self._count(scored, tps)
-        self._metrics(
-            samples=scored.samples,
-            tokens=scored.tokens,
-            tokens_per_s=tps,
-            reward_mean=scored.reward_mean(),
-            batch_s=seconds,
-            **_per_episode(episodes, seconds),
-        )
-        reward = scored.reward_mean()
-        log.info(
-            "%s | v%d | batch %d | %d samples | reward %s | %.0f tok/s | backlog %d",
-            self.worker_id,
-            version,
-            self.batches,
-            scored.samples,
-            "-" if reward is None else f"{reward:.3f}",
-            tps,
-            backlog,
+            backlog=view.backlog if view is not None else None,
         )
 
-    def _sampling(self) -> SamplingSpec:
-        s = self.cfg.rollout.sampling
-        return SamplingSpec(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_response_length,
-            n=s.n,
-            stop=list(s.stop),
-            seed=derive_seed(self.cfg.run.seed, "batch", self.slot, self.incarnation, self.batches),
-        )
-
-    def _score(self, prompts: list[EncodedPrompt], outputs: list[Any], version: int) -> ScoredBatch:
-        return score_batch(
-            prompts,
-            outputs,
-            self.scorer.score_batch(prompts, outputs),
-            group_prefix=f"{self.worker_id}.{self.incarnation}.{self.batches}",
-            policy_version=version,
-            epoch=self.stream.epoch,
-            model_scorer=None if self.reward_model is None else self.reward_model.score,
-            model_weight=self.cfg.reward.reward_model_weight,
-        )
-
-    def _episodes(self, prompts: list[EncodedPrompt], version: int) -> tuple[ScoredBatch, int]:
-        prefix = f"{self.worker_id}.{self.incarnation}.{self.batches}"
-        # a batch engine's weights change between batches only; a streaming engine's may change under a turn, and
-        # its completions then say which version drew each token
-        current = (lambda: self.engine.version) if self.cfg.rollout.streaming else (lambda: version)
-        if self.agent_task is not None:
-            return self.agent_task.run_batch(  # type: ignore[no-any-return]
-                self.complete,
-                prompts,
-                self._sampling(),
-                current,
-                group_prefix=prefix,
-                epoch=self.stream.epoch,
-            )
-        assert self.tool_task is not None
-        streaming = self.cfg.rollout.streaming
-        return self.tool_task.run_batch(
-            None if streaming else self.engine.generate,
-            prompts,
-            self._sampling(),
-            current,
-            group_prefix=prefix,
-            epoch=self.stream.epoch,
-            complete=self.complete if streaming else None,
-        )
-
-    def _count(self, scored: ScoredBatch, tokens_per_s: float) -> None:
-        c = self.counters
-        first: dict[str, str] = {}
-        if scored.errors and c["dropped_reward_groups"] == 0:
-            log.warning(
-                "%s: dropping groups whose reward fails; first error: %s", self.worker_id, scored.errors[0]
-            )
-            first = {"first_reward_error": scored.errors[0][:500]}
-        c["samples"] += scored.samples
-        c["tokens"] += scored.tokens
-        c["dropped_too_long"] = self.stream.skipped_too_long
-        c["dropped_reward_groups"] += scored.dropped_reward_groups
-        c["dropped_reward_samples"] += scored.dropped_reward_samples
-        c["dropped_bad_logprob_groups"] += scored.dropped_bad_logprob_groups
-        c["errors"] += len(scored.errors)
-        last = {"last_error": scored.errors[-1]} if scored.errors else {}
-        self._set(
-            tokens_per_s=round(tokens_per_s, 1),
-            batches=self.batches,
-            reward_mean=scored.reward_mean(),
-            **first,
-            **last,
-            **c,
-        )
-
-    # ------------------------------------------------------------------ streaming (rollout.streaming)
-
-    def _max_in_flight(self) -> int:
-        r = self.cfg.rollout
-        return max(r.max_in_flight or r.prompts_per_batch * r.sampling.n, r.sampling.n)
-
-    def _group_stream(self) -> GroupStream:
-        cfg, r = self.cfg, self.cfg.rollout
-        scorer: Any = InlineScorer(self.scorer)
-        if r.score_processes > 0:
-            from rollout_worker.scorepool import ScorePool
-
-            scorer = ScorePool(cfg.reward, processes=r.score_processes, timeout_s=cfg.reward.timeout_s)
-        return GroupStream(
-            self.engine,
-            scorer,
-            n=r.sampling.n,
-            group_prefix=f"{self.worker_id}.{self.incarnation}.s",
-            lengths=self.lengths,
-            model_scorer=None if self.reward_model is None else self.reward_model.score,
-            model_weight=cfg.reward.reward_model_weight,
-        )
-
-    def _stream(self) -> None:
-        """Keep the engine full: start a group whenever a slot frees and the backlog and staleness bounds allow
-        one more, take each group as soon as it is scored, let weights change under the requests in flight."""
-        assert self.weights is not None and self.groups is not None
-        g, r = self.groups, self.cfg.rollout
-        meter = StreamMeter(self.engine)
-        view, viewed_at, started_since = None, -math.inf, 0
-        while not self.life.stop_requested:
-            now = time.monotonic()
-            if view is None or now - viewed_at >= ADMISSION_S:  # one small file, at most 4 times a second
-                view = self.admission.view(
-                    self.publisher.published_samples, self.publisher.pending_samples + g.samples
-                )
-                viewed_at, started_since = now, 0
-            reason = self._admit(view, view.coming + started_since * r.sampling.n)
-            if reason is None:
-                started_since += self._start_groups(view, view.coming + started_since * r.sampling.n)
-            # paused: nothing may start and nothing is generating (a bound holds the engine idle); while requests
-            # run the worker is running, whether or not it may start more
-            idle = reason is not None and g.generating == 0
-            meter.tick(paused=idle)
-            if idle and not g.groups:
-                assert reason is not None
-                self._pause(reason, **({"backlog": view.backlog} if reason == "backlog" else {}))
-                view = None
-                continue
-            self._streamed(g.poll(STREAM_POLL_S, epoch=self.stream.epoch), meter)
-            self._abort_doomed(view)
-            self._publish()
-            self._stream_status(meter, state="paused" if idle else "running", reason=reason if idle else None)
-        self._drain_stream(meter)
-
-    def _admit(self, view: Any, coming: int) -> str | None:
-        """Why no group may start now (``stale`` / ``backlog``), or None."""
-        assert self.weights is not None
-        step = self.cfg.trainer.samples_per_step
-        rec = view.trainer
-        newest = rec.published_version if view.live and rec is not None and rec.publishing is None else None
-        if not self.weights.catch_up(coming // step, view.planned_step, rec, newest):
-            return "stale"
-        if coming > self.cfg.rollout.max_backlog_samples and coming >= step:
-            return "backlog"
-        return None
-
-    def _start_groups(self, view: Any, coming: int) -> int:
-        """Start groups while there is room in the engine and the bounds hold for each one more."""
-        assert self.weights is not None and self.groups is not None
-        g, r = self.groups, self.cfg.rollout
-        n, step, limit = r.sampling.n, self.cfg.trainer.samples_per_step, self._max_in_flight()
-        started = 0
-        while g.generating + n <= limit:
-            if coming > r.max_backlog_samples and coming >= step:
-                break
-            if self.weights.too_stale(coming // step, view.planned_step, view.trainer):
-                break
-            prompt = self.stream.next_batch(1)[0]
-            g.start(prompt, self._stream_sampling())
-            coming += n
-            started += 1
-        return started
-
-    def _stream_sampling(self) -> SamplingSpec:
-        assert self.groups is not None
-        seed = derive_seed(self.cfg.run.seed, "group", self.slot, self.incarnation, self.groups.started)
-        return replace(self._sampling(), seed=seed)
-
-    def _abort_doomed(self, view: Any) -> None:
-        """Stop the groups the trainer is sure to drop: started before its version - ``trainer.max_staleness`` (a
-        group's oldest token is no older than its start).  A long response can outlive the bound that admitted it;
-        cut now, its slots go to groups the trainer will take.
-
-        The trainer judges its next plan by the version it will hold then: at least LATEST, or the one it is
-        publishing.  (It may be one more, once the step it computes is done; the worker cannot tell for sure from
-        a record up to a second old, and stopping a group the trainer would keep would cost what it avoids.)"""
-        assert self.weights is not None and self.groups is not None
-        if self.cfg.algorithm.staleness_mode != "drop":
+    def _take(self, out: Produced) -> None:
+        """Queue what came back scored and count it: once, whichever source made it."""
+        scored = out.scored
+        if not (scored.groups or scored.errors) and out.batch_s is None:
             return
-        judged = self.weights.newest_known(view.trainer if view is not None and view.live else None)
-        if dropped := self.groups.abort_older(judged - self.cfg.trainer.max_staleness):
-            self.counters["aborted_stale_samples"] += dropped
-            log.info(
-                "%s: %d samples in flight would be too stale to train on, stopped", self.worker_id, dropped
-            )
-
-    def _streamed(self, scored: ScoredBatch, meter: StreamMeter) -> None:
-        """Count and queue the groups that came back scored."""
-        if not (scored.groups or scored.errors):
-            return
-        assert self.groups is not None
         self.publisher.add(scored.groups)
-        meter.add(scored)
         c = self.counters
         if scored.errors and c["dropped_reward_groups"] == 0:
             log.warning(
@@ -658,56 +374,37 @@ class RolloutWorker:
         c["dropped_reward_groups"] += scored.dropped_reward_groups
         c["dropped_reward_samples"] += scored.dropped_reward_samples
         c["dropped_bad_logprob_groups"] += scored.dropped_bad_logprob_groups
-        c["reward_timeouts"] = self.groups.timed_out
         c["errors"] += len(scored.errors)
+        for k in EPISODE_COUNTERS:
+            if k in out.episode_stats:
+                c[k] = c.get(k, 0) + int(out.episode_stats[k])
         if scored.errors:
             self.status.record["last_error"] = scored.errors[-1]
+        if out.batch_s is not None:  # a batch's own figures; a streaming source reports them over time
+            self._batch_done(out)
 
-    def _stream_status(
-        self, meter: StreamMeter, *, state: str, reason: str | None, force: bool = False
-    ) -> None:
-        """The status record (and a metrics line every METRICS_S), at most every STATUS_S: a record per group
-        would be a write per few milliseconds."""
-        assert self.groups is not None
-        now = time.monotonic()
-        if not force and now - meter.status_at < STATUS_S:
-            return
-        meter.status_at = now
-        stats = self.engine.stats()
-        self.batches = self.groups.started
-        self.counters["dropped_too_long"] = self.stream.skipped_too_long
-        self._set(
-            state=state,
-            paused_reason=reason,
-            in_flight=self.publisher.pending_samples + self.groups.samples,
-            requests_in_flight=stats.in_flight,
-            engine_busy=meter.busy_fraction(),
-            reloads_in_flight=stats.updates,
-            batches=self.batches,
-            prompt_source=self._source_key(self.stream.prompts),
-            prompt_epoch=self.stream.epoch,
-            prompt_cursor=self.stream.cursor,
-            reward_mean=meter.reward_mean(),
-            tokens_per_s=round(meter.tokens_per_s(), 1),
-            **self.counters,
+    def _batch_done(self, out: Produced) -> None:
+        scored, tps, seconds = out.scored, out.tokens_per_s or 0.0, out.batch_s or 0.0
+        reward = scored.reward_mean()
+        self.report(tokens_per_s=round(tps, 1), batches=self.batches, reward_mean=reward)
+        self.metrics(
+            samples=scored.samples,
+            tokens=scored.tokens,
+            tokens_per_s=tps,
+            reward_mean=reward,
+            batch_s=seconds,
+            **_per_episode(out.episode_stats, seconds),
         )
-        if now - meter.metrics_at >= METRICS_S:
-            self._metrics(**meter.interval(), aborted_stale_samples=self.counters["aborted_stale_samples"])
-
-    def _drain_stream(self, meter: StreamMeter) -> None:
-        """Stopping: no new group; the ones in flight finish and are scored until the drain's time is half gone,
-        then the rest are dropped (never published in part)."""
-        assert self.groups is not None
-        g = self.groups
-        deadline = time.monotonic() + self.cfg.rollout.drain_deadline_s / 2
-        while g.groups and time.monotonic() < deadline and self.life.fenced is None:
-            self._streamed(g.poll(STREAM_POLL_S, epoch=self.stream.epoch), meter)
-        dropped = g.abort_all()
-        if dropped:
-            log.info(
-                "%s: %d samples still generating at the drain's deadline, dropped", self.worker_id, dropped
-            )
-        self._stream_status(meter, state="running", reason=None, force=True)
+        log.info(
+            "%s | v%d | batch %d | %d samples | reward %s | %.0f tok/s | backlog %d",
+            self.worker_id,
+            self.weights.version if self.weights is not None else 0,
+            self.batches,
+            scored.samples,
+            "-" if reward is None else f"{reward:.3f}",
+            tps,
+            self._view.backlog if self._view is not None else 0,
+        )
 
     # ------------------------------------------------------------------ publishing and backpressure
 
@@ -716,7 +413,7 @@ class RolloutWorker:
             self.counters["shards"] = self.publisher.shards
             self._set(shards=self.publisher.shards, published_samples=self.publisher.published_samples)
 
-    def _set_in_flight(self, samples: int) -> None:
+    def set_in_flight(self, samples: int) -> None:
         if self.status.record.get("in_flight") != samples:
             self._set(in_flight=samples)
 
@@ -739,6 +436,19 @@ class RolloutWorker:
             time.sleep(0.05)
 
     # ------------------------------------------------------------------ status and metrics
+
+    def report(self, **fields: Any) -> None:
+        """The status record with the prompt cursor and every counter (the source's own too)."""
+        assert self.source is not None
+        self.counters.update(self.source.counters())
+        self.counters["dropped_too_long"] = self.stream.skipped_too_long
+        self._set(
+            prompt_source=self._source_key(self.stream.prompts),
+            prompt_epoch=self.stream.epoch,
+            prompt_cursor=self.stream.cursor,
+            **self.counters,
+            **fields,
+        )
 
     def _set(self, **fields: Any) -> None:
         with self.life.io_lock:
@@ -767,7 +477,7 @@ class RolloutWorker:
             with contextlib.suppress(OSError):
                 self._set()
 
-    def _metrics(self, **values: Any) -> None:
+    def metrics(self, **values: Any) -> None:
         assert self.weights is not None
         rec = {
             "time": time.time(),

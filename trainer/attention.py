@@ -1,6 +1,6 @@
 """Attention over packed rows: causal within each sequence, no [N, N] mask, no compiler.
 
-Packed micro-batches (``trainer/data.py``) put a micro-batch's sequences back to back in one row, positions restarting
+Packed micro-batches (``trainer/batching.py``) put a micro-batch's sequences back to back in one row, positions restarting
 at 0 per sequence, and attention must not cross a sequence boundary.  How that attention is computed decides whether
 packing saves anything, and it has to run on CPU (torch 2.13, transformers 5.19, the tests) and on the H200 image
 (torch 2.11, transformers 5.17, no flash-attn package):

@@ -250,7 +250,7 @@ def batch_logprobs(
     with_entropy: bool = True,
     sp: seqpar.SPGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_logprobs_and_entropy`` of a collated micro-batch (``trainer.data.collate``), packed or padded.
+    """``token_logprobs_and_entropy`` of a collated micro-batch (``trainer.batching.collate``), packed or padded.
 
     Returns ``(logp, entropy)`` [B, T] in the padded layout either way, 0 on padding and unwanted tokens.  ``sp``:
     the sequence-parallel group of a packed micro-batch, whose ranks each run a chunk of the row and all return the

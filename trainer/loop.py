@@ -36,7 +36,6 @@ from buffer.plans import FencedError, PlanLog, mark_poisoned
 from buffer.records import RecordError, RunFinished, TrainerStatus
 from buffer.run import Run
 from buffer.status import mark_finished, read_finished
-from buffer.weights import WeightsError
 from trainer import checkpoint as ckpt
 from trainer import dist as tdist
 from trainer.data import Sample
@@ -46,7 +45,7 @@ from trainer.metrics import step_line
 from trainer.model import build_actor, build_critic, build_reference
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.step import Models, kl_controller, train_step
-from trainer.versions import Publisher, Settled, latest_problem, starting_version
+from trainer.versions import Versions, check_fence, latest_problem, starting_version
 
 log = logger("trainer")
 
@@ -296,73 +295,6 @@ def token_staleness(samples: list[Sample], version: int) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------- publish and save
-
-
-def check_fence(plan_log: PlanLog | None) -> None:
-    """Raise FencedError on every rank once a newer trainer incarnation has claimed the run."""
-    on_rank0(lambda: plan_log.check_not_fenced() if plan_log is not None else None)
-
-
-class Versions:
-    """The loop's side of publishing: which step publishes, the version in flight, and what a failure does."""
-
-    def __init__(self, run: Run, plan_log: PlanLog | None, report: Reporter, stop: StopFlag):
-        self.run, self.plan_log, self.report, self.stop = run, plan_log, report, stop
-        self.publisher = Publisher(run, plan_log)
-
-    def due(self, step: int, batch: StepBatch) -> bool:
-        return bool(batch.samples) and step % self.run.config.trainer.publish_every == 0
-
-    def version_after(self, step: int, state: TrainState, batch: StepBatch) -> int:
-        """The version the weights will carry once ``step`` is done (what the next step's staleness is judged by)."""
-        return state.version + int(self.due(step, batch))
-
-    def publish(self, models: Models, state: TrainState, final: bool = False) -> dict[str, float]:
-        """Settle the version in flight, then stage the next one (the step waits for the copy only)."""
-        t0 = time.monotonic()
-        out = self.settle(models, state)
-        check_fence(self.plan_log)
-        version, merged = state.version + 1, self._merged(state.version + 1, final)
-        try:
-            self.publisher.start(models, version, state.step, merged)
-        except (OSError, WeightsError) as e:  # staging failed (on every rank: _fresh_staging broadcasts it)
-            self._retry(Settled(version, 0.0, str(e), merged), models, state)
-        else:
-            state.version = version
-            state.merged_step = state.step if merged else state.merged_step
-            self.report.publishing = version  # workers judge staleness by it (rollout_worker/following.py)
-        out["publish"] = time.monotonic() - t0
-        return out
-
-    def settle(self, models: Models, state: TrainState) -> dict[str, float]:
-        """Wait for the version in flight; a failed one is published again (current weights) until it works."""
-        settled = self.publisher.settle()
-        self.report.publishing = None
-        if settled is None:
-            return {}
-        if settled.error is None:
-            return {"publish_write": settled.write_s}
-        state.version = settled.version - 1  # never committed: its number is free again
-        self._retry(settled, models, state)
-        return {}
-
-    def _merged(self, version: int, final: bool) -> bool:
-        lora = self.run.config.model.lora
-        return lora.enabled and (final or (lora.merge_every > 0 and version % lora.merge_every == 0))
-
-    def _retry(self, failed: Settled, models: Models, state: TrainState) -> None:
-        self.report.error(f"publishing v{failed.version} failed: {failed.error}")
-
-        def waiting(what: str, error: str) -> None:
-            self.report.last_error = error
-            self.report.status("waiting", state, {}, waiting=what)
-
-        if self.publisher.retry(failed, models, state.step, waiting, self.stop.agreed):
-            state.version = failed.version
-            state.merged_step = state.step if failed.merged else state.merged_step
-
-    def close(self) -> None:
-        self.publisher.close()
 
 
 class Saver:

@@ -54,6 +54,7 @@ from buffer.plans import FencedError
 from buffer.weights import WeightsError, base_model_hash, commit_version, staging_dir
 from trainer import dist as tdist
 from trainer import lora as tlora
+from trainer.delta_base import DeltaBase
 from trainer.model import hf_module, reshard
 from trainer.st_files import as_bytes, host_buffer, safetensors_header, write_rank_file
 
@@ -65,19 +66,6 @@ _SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpa
 _SKIP_NAMES = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "manifest.json"}
 INDEX = "model.safetensors.index.json"
 ADAPTER_DIR = "adapter"  # the adapter inside a merged full version
-
-
-@dataclass
-class _Base:
-    """This rank's part of the last full version committed, the base of the deltas that follow it."""
-
-    version: int
-    file: str | None  # this rank's file name (None: it owned no tensor)
-    header: bytes
-    host: torch.Tensor | None  # a copy of the file's tensor bytes
-
-
-_BASE: list[_Base] = []  # at most one
 
 
 @dataclass
@@ -379,7 +367,7 @@ class StagedVersion:
     lora: AdapterConfig | None = None
     kind: str = "full"  # "full" | "adapter", as the manifest says
     delta_base: int | None = None  # written as a delta against this full version (every rank agreed)
-    keep_base: bool = False  # once committed in full, keep this rank's bytes as the base of later deltas
+    base: DeltaBase | None = None  # once committed in full, this rank's bytes are kept here for later deltas
 
     @property
     def nbytes(self) -> int:
@@ -403,12 +391,13 @@ def stage_weights(
     lora: AdapterConfig | None = None,
     merged: bool = False,
     delta_base: int | None = None,
-    keep_base: bool = False,
+    base: DeltaBase | None = None,
 ) -> StagedVersion:
     """The device half of a publish (collective): empty the staging directory, exchange every tensor to its owner
     rank and copy it to host memory.  ``write_staged`` does the rest, possibly in another thread while the model
     trains on.  Arguments as ``publish_weights``; ``delta_base`` asks for a delta against that version (full when
-    a rank does not hold it), ``keep_base`` keeps a full version as the base of later deltas (full weights only)."""
+    a rank's ``base`` does not hold it), ``base`` keeps a full version as the base of later deltas (full weights
+    only)."""
     if dtype not in PUBLISH_DTYPES:
         raise WeightsError(f"publish dtype {dtype!r} is not one of {', '.join(PUBLISH_DTYPES)}")
     world, me = tdist.world(), tdist.rank()
@@ -440,39 +429,12 @@ def stage_weights(
                     safetensors_header(order),
                 )
             staged.index = _index(items, world) if me == 0 else None
-            staged.keep_base = keep_base and lora is None
-            if delta_base is not None and lora is None:
-                agreed = tdist.all_gather_object(_has_base(staged, delta_base))
+            staged.base = base if lora is None else None
+            if delta_base is not None and staged.base is not None:
+                name = staged.rank_file.name if staged.rank_file is not None else None
+                agreed = tdist.all_gather_object(staged.base.holds(delta_base, name, staged.header))
                 staged.delta_base = delta_base if all(agreed) else None
     return staged
-
-
-def _has_base(staged: StagedVersion, version: int) -> bool:
-    """Whether this rank holds version ``version`` as a base whose file layout is ``staged``'s."""
-    if not _BASE or _BASE[0].version != version:
-        return False
-    base = _BASE[0]
-    name = staged.rank_file.name if staged.rank_file is not None else None
-    return base.file == name and base.header == staged.header
-
-
-def _keep_base(staged: StagedVersion) -> None:
-    """After ``staged`` was committed in full: its bytes become this rank's base (a copy: the host buffer is reused
-    by the next publish)."""
-    host = staged.host.clone() if staged.host is not None and staged.rank_file is not None else None
-    name = staged.rank_file.name if staged.rank_file is not None else None
-    _BASE[:] = [_Base(staged.version, name, staged.header, host)]
-
-
-def _write_rank_delta(staged: StagedVersion) -> deltas.DeltaFile:
-    """This rank's file as a delta against its kept base, in the staging directory."""
-    assert staged.rank_file is not None and staged.host is not None and _BASE and _BASE[0].host is not None
-    base = _BASE[0]
-    assert base.host is not None
-    source = f"v{base.version} {base.file}"
-    base_tensors = deltas.tensors_of(base.header, base.host.numpy().data.cast("B"), source)
-    out = staged.staging / (staged.rank_file.name + deltas.DELTA_SUFFIX)
-    return deltas.encode_file(out, staged.header, staged.host.numpy().data.cast("B"), base_tensors)
 
 
 def _write_rank0_files(staged: StagedVersion) -> None:
@@ -546,7 +508,10 @@ def write_staged(
     sha: str | deltas.DeltaFile | None = None
     try:
         if staged.rank_file is not None and staged.delta_base is not None:
-            sha = _write_rank_delta(staged)
+            assert staged.base is not None and staged.host is not None
+            sha = staged.base.encode(
+                staged.staging / (staged.rank_file.name + deltas.DELTA_SUFFIX), staged.header, staged.host
+            )
         elif staged.rank_file is not None:
             sha = write_rank_file(staged.rank_file, staged.header, staged.host)
         if tdist.is_main():
@@ -575,8 +540,9 @@ def write_staged(
         if kind == "fenced":
             raise FencedError(message)
         raise PublishError(f"publishing v{staged.version}: {message}")
-    if staged.keep_base and staged.delta_base is None:
-        _keep_base(staged)
+    if staged.base is not None and staged.delta_base is None:
+        name = staged.rank_file.name if staged.rank_file is not None else None
+        staged.base.keep(staged.version, name, staged.header, staged.host)
 
 
 def publish_weights(
@@ -592,14 +558,14 @@ def publish_weights(
     lora: AdapterConfig | None = None,
     merged: bool = False,
     delta_base: int | None = None,
-    keep_base: bool = False,
+    base: DeltaBase | None = None,
 ) -> None:
     """Publish ``model`` (an ``Actor`` or HF model, FSDP2-sharded or not) as weight version ``version``.
 
     Collective: call on every rank.  ``dtype`` is the publish dtype (float32, bfloat16, float16); ``tied`` drops the
     ``lm_head.weight`` alias; ``src_model_dir`` is the base model whose config and tokenizer files ride along.
     With ``lora`` (``model.lora`` of a model that carries adapters) the version is the adapter alone, or with
-    ``merged`` the merged full weights plus the adapter in ``adapter/``.  ``delta_base``/``keep_base``: see
+    ``merged`` the merged full weights plus the adapter in ``adapter/``.  ``delta_base``/``base``: see
     ``stage_weights``.
     Returns once LATEST points at the new version on every rank.  (The trainer's loop runs the two halves,
     ``stage_weights`` and ``write_staged``, apart: the write overlaps the next step.)
@@ -616,6 +582,6 @@ def publish_weights(
         lora=lora,
         merged=merged,
         delta_base=delta_base,
-        keep_base=keep_base,
+        base=base,
     )
     write_staged(staged)

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism on packed rows (``trainer.sequence_parallel = K``).
 
 The K consecutive ranks of a sequence-parallel group take the same samples (``data_parallel`` is the rank and world
-that ``trainer/data.py`` ``assign_to_ranks`` sees) and split each packed micro-batch's row into K contiguous chunks,
+that ``trainer/batching.py`` ``assign_to_ranks`` sees) and split each packed micro-batch's row into K contiguous chunks,
 padded to a multiple of K with a padding sequence of its own (so no real sequence attends to it).  Each rank runs
 embeddings, norms, MLPs and the LM or value head on its chunk only; attention exchanges (``all_to_all_single``) its
 chunk of every head for every rank's chunk of a K-th of the heads, so that it sees the whole row and the row's

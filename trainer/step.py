@@ -60,7 +60,8 @@ from buffer.config import ShardRLConfig
 from trainer import dist as tdist
 from trainer import ppo
 from trainer import sequence_parallel as seqpar
-from trainer.data import Sample, assign_to_ranks, batch_to, collate, microbatches, split_updates
+from trainer.batching import assign_to_ranks, batch_to, collate, microbatches, split_updates
+from trainer.data import Sample
 from trainer.logprobs import batch_logprobs
 from trainer.model import batch_values
 from trainer.optim import clip_grad_norm_

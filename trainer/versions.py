@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -41,6 +41,8 @@ from buffer.plans import PlanLog
 from buffer.records import RecordError
 from buffer.run import Run
 from trainer import dist as tdist
+from trainer.delta_base import DeltaBase
+from trainer.feed import on_rank0
 from trainer.publish import PublishError, StagedVersion, stage_weights, write_staged
 from trainer.step import Models
 
@@ -99,7 +101,9 @@ class Publisher:
         self.inflight: tuple[int, bool, Future[float]] | None = None
         self.staged: StagedVersion | None = None  # the version in flight
         self.write_s = 0.0  # the write time of the last version settled
-        self.base: int | None = None  # the full version deltas are made against (None: the next is full)
+        self.base = (
+            DeltaBase()
+        )  # the full version deltas are made against: its number here, its bytes per rank
 
     def start(self, models: Models, version: int, step: int, merged: bool) -> None:
         """Stage ``version`` (the caller's step waits for this) and write it in the background."""
@@ -108,7 +112,8 @@ class Publisher:
         lora = cfg.model.lora if cfg.model.lora.enabled else None
         full_every = cfg.trainer.publish_full_every
         deltas_on = full_every > 1 and lora is None
-        delta_base = self.base if deltas_on and self.base and version - self.base < full_every else None
+        held = self.base.version
+        delta_base = held if deltas_on and held and version - held < full_every else None
         staged = stage_weights(
             models.actor,
             self.run.layout,
@@ -120,7 +125,7 @@ class Publisher:
             lora=lora,
             merged=merged,
             delta_base=delta_base,
-            keep_base=deltas_on,
+            base=self.base if deltas_on else None,
         )
         self.staged = staged
         self.inflight = (version, merged, self.pool.submit(self._write, staged))
@@ -149,14 +154,12 @@ class Publisher:
         if self.inflight is None:
             return None
         version, merged, future = self.inflight
-        staged, self.inflight, self.staged = self.staged, None, None
+        self.inflight, self.staged = None, None
         try:
-            self.write_s = future.result()
+            self.write_s = future.result()  # a full version committed is kept in self.base by write_staged
         except PublishError as e:
-            self.base = None  # the retry publishes in full: whatever failed may have been the base
+            self.base.forget()  # the retry publishes in full: whatever failed may have been the base
             return Settled(version, 0.0, str(e), merged)
-        if staged is not None and staged.keep_base and staged.delta_base is None:
-            self.base = version
         return Settled(version, self.write_s, None, merged)
 
     def publish_now(self, models: Models, version: int, step: int, merged: bool) -> Settled:
@@ -198,3 +201,85 @@ class Publisher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+def check_fence(plan_log: PlanLog | None) -> None:
+    """Raise FencedError on every rank once a newer trainer incarnation has claimed the run."""
+    on_rank0(lambda: plan_log.check_not_fenced() if plan_log is not None else None)
+
+
+class Reports(Protocol):
+    """What publishing tells the trainer's status record (``loop.Reporter``)."""
+
+    publishing: int | None
+    last_error: str | None
+
+    def error(self, message: str) -> None: ...
+    def status(self, what: str, state: Any, counts: dict[str, Any], waiting: str | None = ...) -> None: ...
+
+
+class Versions:
+    """The loop's side of publishing: which step publishes, the version in flight, and what a failure does.
+    ``state`` arguments are the loop's ``TrainState`` (``step``, ``version``, ``merged_step``); ``stop`` the loop's
+    collective stop flag."""
+
+    def __init__(self, run: Run, plan_log: PlanLog | None, report: Reports, stop: Any):
+        self.run, self.plan_log, self.report, self.stop = run, plan_log, report, stop
+        self.publisher = Publisher(run, plan_log)
+
+    def due(self, step: int, batch: Any) -> bool:
+        return bool(batch.samples) and step % self.run.config.trainer.publish_every == 0
+
+    def version_after(self, step: int, state: Any, batch: Any) -> int:
+        """The version the weights will carry once ``step`` is done (what the next step's staleness is judged by)."""
+        return state.version + int(self.due(step, batch))
+
+    def publish(self, models: Models, state: Any, final: bool = False) -> dict[str, float]:
+        """Settle the version in flight, then stage the next one (the step waits for the copy only)."""
+        t0 = time.monotonic()
+        out = self.settle(models, state)
+        check_fence(self.plan_log)
+        version, merged = state.version + 1, self._merged(state.version + 1, final)
+        try:
+            self.publisher.start(models, version, state.step, merged)
+        except (
+            OSError,
+            weights.WeightsError,
+        ) as e:  # staging failed (on every rank: _fresh_staging broadcasts it)
+            self._retry(Settled(version, 0.0, str(e), merged), models, state)
+        else:
+            state.version = version
+            state.merged_step = state.step if merged else state.merged_step
+            self.report.publishing = version  # workers judge staleness by it (rollout_worker/following.py)
+        out["publish"] = time.monotonic() - t0
+        return out
+
+    def settle(self, models: Models, state: Any) -> dict[str, float]:
+        """Wait for the version in flight; a failed one is published again (current weights) until it works."""
+        settled = self.publisher.settle()
+        self.report.publishing = None
+        if settled is None:
+            return {}
+        if settled.error is None:
+            return {"publish_write": settled.write_s}
+        state.version = settled.version - 1  # never committed: its number is free again
+        self._retry(settled, models, state)
+        return {}
+
+    def _merged(self, version: int, final: bool) -> bool:
+        lora = self.run.config.model.lora
+        return lora.enabled and (final or (lora.merge_every > 0 and version % lora.merge_every == 0))
+
+    def _retry(self, failed: Settled, models: Models, state: Any) -> None:
+        self.report.error(f"publishing v{failed.version} failed: {failed.error}")
+
+        def waiting(what: str, error: str) -> None:
+            self.report.last_error = error
+            self.report.status("waiting", state, {}, waiting=what)
+
+        if self.publisher.retry(failed, models, state.step, waiting, self.stop.agreed):
+            state.version = failed.version
+            state.merged_step = state.step if failed.merged else state.merged_step
+
+    def close(self) -> None:
+        self.publisher.close()

@@ -29,13 +29,14 @@ episode's advantage (``trainer/step.py``).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from buffer.schema import logprobs_ok as valid_logprobs
+
 from ..prompts import Prompt
-from .episode import ENV_VERSION, LOGPROB_TOLERANCE, Turn
+from .episode import ENV_VERSION, Turn
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def _extended(splits: list[Split], c: Call, max_response: int | None) -> Split |
 
 
 def logprobs_ok(splits: Sequence[Split]) -> bool:
-    return all(math.isfinite(x) and x <= LOGPROB_TOLERANCE for s in splits for x in s.response_logprobs)
+    return all(valid_logprobs(s.response_logprobs) for s in splits)
 
 
 def split_rows(

@@ -45,15 +45,12 @@ limit, 500 when the engine fails.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import queue
 import re
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NoReturn, cast
@@ -63,33 +60,20 @@ from buffer.logs import logger
 
 from ..engines.base import Completion, SamplingSpec
 from .calls import Call
-from .episode import ChatRenderer, Generate, Limits, TemplateError
+from .episode import ChatRenderer, Limits, TemplateError
+from .requests import ChatRequest, Message, RequestError, bad_request, normalise_message, parse_request
 from .tools import CLOSE, OPEN, Tool, ToolCall, parse_tool_calls
 
 log = logger("endpoint")
 
-Message = dict[str, Any]
 # One completion of one prompt; called from many request threads at once, so it must be thread-safe (``Batcher``).
 Complete = Callable[[list[int], SamplingSpec], Completion]
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BODY = 64 << 20
 _EPISODE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _ROUTE = re.compile(r"/episodes/([^/]+)/v1/(chat/completions|models)")
 # As episode.run_episodes: each call of an episode draws a fresh stream from a seeded spec.
 _SEED_STRIDE = 1_000_003
 _UNLIMITED = 1 << 40
-
-
-class RequestError(Exception):
-    """A request the endpoint refuses: an HTTP status and a one-line message."""
-
-    def __init__(self, status: int, message: str, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
-
-def _bad(message: str, code: str | None = None) -> RequestError:
-    return RequestError(400, message, code)
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -126,157 +110,6 @@ class _Episode:
     limits: Limits
     log: EpisodeLog = field(default_factory=EpisodeLog)
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-# ---------------------------------------------------------------------------------------------- requests
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    messages: list[Message]  # normalised: text content, tool-call arguments as objects
-    tools: list[Tool]
-    model: str = ""
-    max_tokens: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-
-
-def parse_request(body: bytes) -> ChatRequest:
-    """A chat-completions request body, or a RequestError (400) naming the first bad field."""
-    try:
-        obj = json.loads(body or b"null")
-    except ValueError as e:
-        raise _bad(f"request body is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise _bad("request body must be a JSON object with a 'messages' field")
-    messages = obj.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("field 'messages' must be a non-empty list of messages")
-    if obj.get("n") not in (None, 1):
-        raise _bad(f"field 'n' is {obj['n']!r}; only n = 1 is served (one completion per call)")
-    options = obj.get("stream_options")
-    return ChatRequest(
-        messages=[normalise_message(f"messages[{i}]", m) for i, m in enumerate(messages)],
-        tools=_tools(obj.get("tools")),
-        model=str(obj.get("model") or ""),
-        max_tokens=_positive(obj, "max_completion_tokens") or _positive(obj, "max_tokens"),
-        stop=_stop(obj.get("stop")),
-        stream=_flag(obj, "stream"),
-        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
-        temperature=_number(obj, "temperature", 0.0, 2.0),
-        top_p=_number(obj, "top_p", 0.0, 1.0),
-        top_k=_integer(obj, "top_k"),
-        seed=_integer(obj, "seed"),
-    )
-
-
-def normalise_message(at: str, m: Any) -> Message:
-    """A message as the chat template takes it: text content (never None), tool-call arguments as objects."""
-    if not isinstance(m, dict):
-        raise _bad(f"{at} must be an object with 'role' and 'content'")
-    role = m.get("role")
-    if role not in ROLES:
-        raise _bad(f"{at}.role is {role!r}; accepted: {', '.join(ROLES)}")
-    out: Message = {"role": "system" if role == "developer" else role, "content": _text(at, m.get("content"))}
-    for key in ("name", "tool_call_id"):
-        if isinstance(m.get(key), str):
-            out[key] = m[key]
-    calls = m.get("tool_calls")
-    if role == "assistant" and calls:
-        if not isinstance(calls, list):
-            raise _bad(f"{at}.tool_calls must be a list of tool calls")
-        out["tool_calls"] = [_tool_call(f"{at}.tool_calls[{j}]", c) for j, c in enumerate(calls)]
-    return out
-
-
-def _text(at: str, content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise _bad(f"{at}.content must be text or a list of text parts (type 'text'); other parts are not served")
-
-
-def _tool_call(at: str, c: Any) -> Message:
-    fn = c.get("function") if isinstance(c, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise _bad(f'{at} must be {{"type": "function", "function": {{"name": str, "arguments": str}}}}')
-    args = fn.get("arguments", {})
-    if isinstance(args, str):  # the API carries arguments as JSON text; templates render them as an object
-        with contextlib.suppress(ValueError):  # not JSON: the template shows what the agent wrote
-            args = json.loads(args) if args.strip() else {}
-    return {
-        "id": str(c.get("id", "")),
-        "type": "function",
-        "function": {"name": fn["name"], "arguments": args},
-    }
-
-
-def _tools(value: Any) -> list[Tool]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise _bad("field 'tools' must be a list of function tools")
-    tools = []
-    for i, t in enumerate(value):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise _bad(
-                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}'
-            )
-        if not isinstance(fn.get("name"), str):
-            raise _bad(f"tools[{i}].function.name must be a string")
-        tools.append(Tool(fn["name"], "", {"type": "function", "function": fn}))
-    return tools
-
-
-def _positive(obj: dict[str, Any], key: str) -> int | None:
-    v = obj.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise _bad(f"field {key!r} is {v!r}; expected an integer >= 1")
-    return v
-
-
-def _integer(obj: dict[str, Any], key: str) -> int | None:
-    v = obj.get(key)
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-        raise _bad(f"field {key!r} is {v!r}; expected an integer")
-    return v
-
-
-def _number(obj: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
-    v = obj.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _bad(f"field {key!r} is {v!r}; expected a number from {lo} to {hi}")
-    return float(v)
-
-
-def _flag(obj: dict[str, Any], key: str) -> bool:
-    v = obj.get(key, False)
-    if not isinstance(v, bool) and v is not None:
-        raise _bad(f"field {key!r} is {v!r}; expected true or false")
-    return bool(v)
-
-
-def _stop(v: Any) -> list[str]:
-    if v is None:
-        return []
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return list(v)
-    raise _bad(f"field 'stop' is {v!r:.60}; expected a string or a list of strings")
 
 
 def _key(m: Message) -> str:
@@ -513,7 +346,7 @@ class ChatEndpoint:
         try:
             c = ep.complete(prompt_ids, spec)
         except ValueError as e:  # what the engine refuses of a prompt (check_prompts)
-            raise _bad(str(e).splitlines()[0]) from None
+            raise bad_request(str(e).splitlines()[0]) from None
         message = reply_message(c.response_text)
         call = Call(prompt_ids, list(c.response_ids), list(c.response_logprobs), version, c.finish_reason)
         ours = normalise_message("reply", message)
@@ -539,7 +372,7 @@ class ChatEndpoint:
     def _refuse(self, ep: _Episode, message: str, code: str) -> NoReturn:
         with ep.lock:
             ep.log.refused.append(message)
-        raise _bad(message, code)
+        raise bad_request(message, code)
 
     def _prompt(self, ep: _Episode, req: ChatRequest) -> tuple[list[int], int]:
         """The call's prompt ids and the prompt length of the sample it continues (its own when it starts one)."""
@@ -672,82 +505,3 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 # ---------------------------------------------------------------------------------------------- engine side
-
-
-@dataclass
-class _Pending:
-    prompt_ids: list[int]
-    sampling: SamplingSpec
-    done: Future[Completion] = field(default_factory=Future)
-
-
-class Batcher:
-    """A thread-safe ``Complete`` over an engine's batched ``generate``, which is then only called from one thread.
-
-    Calls that arrive within ``window_s`` of the first waiting one, with the same sampling apart from
-    ``max_tokens``, go to the engine as one batch (an agent's episodes run side by side, and an engine is fastest
-    on a full batch), generated to the largest budget among them and each cut to its own, as ``run_episodes`` does:
-    a cut completion is what sampling with that budget would have drawn.  ``decode`` gives a cut one's text.
-    """
-
-    def __init__(
-        self,
-        generate: Generate,
-        decode: Callable[[list[int]], str],
-        *,
-        window_s: float = 0.02,
-        max_batch: int = 256,
-    ):
-        self.generate, self.decode = generate, decode
-        self.window_s, self.max_batch = window_s, max_batch
-        self._queue: queue.Queue[_Pending | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="endpoint-batcher")
-        self._thread.start()
-
-    def __call__(self, prompt_ids: list[int], sampling: SamplingSpec) -> Completion:
-        pending = _Pending(list(prompt_ids), sampling)
-        self._queue.put(pending)
-        return pending.done.result()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while (first := self._queue.get()) is not None:
-            batch = [first]
-            deadline = time.monotonic() + self.window_s
-            while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
-                try:
-                    nxt = self._queue.get(timeout=left)
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)  # stop once this batch is answered
-                    break
-                batch.append(nxt)
-            by_spec: dict[str, list[_Pending]] = {}
-            for p in batch:
-                by_spec.setdefault(repr(replace(p.sampling, max_tokens=0, n=1)), []).append(p)
-            for group in by_spec.values():
-                self._run(group)
-
-    def _run(self, group: list[_Pending]) -> None:
-        spec = replace(group[0].sampling, n=1, max_tokens=max(p.sampling.max_tokens for p in group))
-        try:
-            outs = self.generate([p.prompt_ids for p in group], spec)
-        except BaseException as e:
-            if len(group) > 1:  # one prompt the engine refuses must not fail the calls batched with it
-                for p in group:
-                    self._run([p])
-                return
-            group[0].done.set_exception(e)
-            return
-        for p, out in zip(group, outs, strict=True):
-            p.done.set_result(self._cut(out[0], p.sampling.max_tokens))
-
-    def _cut(self, c: Completion, budget: int) -> Completion:
-        if len(c.response_ids) <= budget:
-            return c
-        ids = c.response_ids[:budget]
-        return Completion(c.prompt_ids, ids, c.response_logprobs[:budget], "length", self.decode(ids))

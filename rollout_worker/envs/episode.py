@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from buffer.schema import logprobs_ok as valid_logprobs
+
 from ..engines.base import Completion, SamplingSpec
 from ..prompts import Prompt, PromptError
 from ..rewards import RewardFunction
@@ -45,7 +47,6 @@ from .tools import Tool, parse_tool_calls
 Message = dict[str, Any]
 Generate = Callable[[list[list[int]], SamplingSpec], list[list[Completion]]]
 ENV_VERSION = -1  # the policy version of an environment turn: no policy sampled it
-LOGPROB_TOLERANCE = 1e-4  # logprobs are log-softmax outputs: <= 0 up to float32 rounding
 _MARK = "\x00shardrl-turn\x00"
 
 
@@ -453,7 +454,7 @@ def _reward(e: Episode, finish: str, record: dict[str, Any]) -> float:
 
 
 def logprobs_ok(e: Episode) -> bool:
-    return all(math.isfinite(x) and x <= LOGPROB_TOLERANCE for x in e.response_logprobs)
+    return valid_logprobs(e.response_logprobs)
 
 
 def group_rows(

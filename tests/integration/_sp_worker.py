@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from buffer.config import ShardRLConfig, apply_overrides, validate
 from trainer import dist as tdist
 from trainer import sequence_parallel as seqpar
-from trainer.data import Sample, batch_to, collate
+from trainer.batching import batch_to, collate
+from trainer.data import Sample
 from trainer.logprobs import batch_logprobs
 from trainer.lora import AdaptersOff
 from trainer.model import (

@@ -18,10 +18,11 @@ import torch
 from buffer import shards
 from buffer.config import ShardRLConfig
 from rollout_worker.engines.base import Completion, SamplingSpec
+from rollout_worker.engines.completer import Batcher
 from rollout_worker.engines.hf import HFEngine
 from rollout_worker.envs.agent import AgentTask
 from rollout_worker.envs.calls import Split, split_calls
-from rollout_worker.envs.endpoint import Batcher, ChatEndpoint
+from rollout_worker.envs.endpoint import ChatEndpoint
 from rollout_worker.envs.episode import ChatRenderer, Limits
 from rollout_worker.envs.tools import Tool
 from rollout_worker.prompts import EncodedPrompt, Prompt

@@ -20,7 +20,8 @@ from rollout_worker.engines import SamplingSpec, make_engine
 from rollout_worker.envs import ToolTask
 from rollout_worker.envs.episode import Episode, Step, ToolEnv, group_rows, run_episodes
 from rollout_worker.prompts import Prompt
-from trainer.data import Limits, Planner, collate
+from trainer.batching import collate
+from trainer.data import Limits, Planner
 from trainer.logprobs import batch_logprobs
 
 from ..unit.buffer_helpers import make_layout

@@ -20,7 +20,8 @@ from rollout_worker.engines.base import SamplingSpec
 from rollout_worker.envs import ToolTask
 from rollout_worker.envs.episode import Episode, group_rows, run_episodes
 from rollout_worker.prompts import Prompt
-from trainer.data import Sample, _samples, collate
+from trainer.batching import collate
+from trainer.data import Sample, _samples
 
 from .buffer_helpers import make_layout
 from .envs_helpers import TOOL_TEMPLATE, TOOLS, ScriptedModel, call

@@ -161,3 +161,60 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     assert "buffer/_probe_for_layer_test.py:1 imports torch at module level" in _heavy_at_import(tmp_path)
     assert ["buffer._probe_b", "buffer._probe_for_layer_test"] in _cycles("buffer", tmp_path)
     assert not (ROOT / "buffer" / f.name).exists()
+
+
+# The rooms inside rollout_worker, lowest first: a module may import its own rank and the ranks below it, never one
+# above.  Modules in no room (prompts, rewards, following, admission, publishing, ...) are helpers at the rank of
+# ``scoring``: the episodes, the sources and the worker sit on top of them, never the other way round.
+ROOMS = (
+    "engines",
+    "scoring",
+    "envs|streaming",
+    "checks|preflight|sources",
+    "worker|evaluator",
+    "supervisor|__main__",
+)
+HELPER_RANK = 1
+
+
+def _room(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "rollout_worker" or len(parts) < 2:
+        return None
+    for rank, names in enumerate(ROOMS):
+        if parts[1] in names.split("|"):
+            return rank
+    return None
+
+
+def _room_violations(root: Path = ROOT) -> list[str]:
+    paths = {_dotted(p, root): p for p in _modules("rollout_worker", root)}
+    bad = []
+    for mod, path in sorted(paths.items()):
+        mine = _room(mod)
+        ceiling = HELPER_RANK if mine is None else mine
+        for other in sorted(_module_imports(path, set(paths), root)):
+            theirs = _room(other)
+            if theirs is not None and theirs > ceiling:
+                bad.append(f"{mod} imports {other}")
+    return bad
+
+
+def test_rollout_worker_rooms_import_only_downwards() -> None:
+    bad = _room_violations()
+    assert not bad, f"rooms ({' < '.join(ROOMS)}): " + "; ".join(bad)
+
+
+def test_the_room_checker_sees_an_upward_import(tmp_path: Path) -> None:
+    shutil.copytree(
+        ROOT / "rollout_worker", tmp_path / "rollout_worker", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (tmp_path / "rollout_worker" / "engines" / "_probe.py").write_text(
+        "def f():\n    from rollout_worker.sources.batch import BatchSource\n"
+    )
+    (tmp_path / "rollout_worker" / "streaming_probe.py").write_text(
+        "from rollout_worker.worker import main\n"
+    )
+    found = _room_violations(tmp_path)
+    assert "rollout_worker.engines._probe imports rollout_worker.sources.batch" in found
+    assert "rollout_worker.streaming_probe imports rollout_worker.worker" in found

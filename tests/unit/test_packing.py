@@ -19,7 +19,8 @@ import torch
 
 from buffer.config import ShardRLConfig
 from trainer import dist as tdist
-from trainer.data import Sample, collate
+from trainer.batching import collate
+from trainer.data import Sample
 from trainer.model import (
     PACKED_ATTENTION,
     Actor,

@@ -13,7 +13,8 @@ import torch
 
 from buffer import shards
 from trainer import ppo
-from trainer.data import Sample, _samples, collate, select_step
+from trainer.batching import collate
+from trainer.data import Sample, _samples, select_step
 from trainer.feed import StepBatch
 from trainer.loop import step_metrics, token_staleness
 

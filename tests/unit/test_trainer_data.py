@@ -10,18 +10,8 @@ import torch
 
 from buffer import plans, shards
 from buffer.shards import ShardWriter
-from trainer.data import (
-    Limits,
-    Planner,
-    Sample,
-    ShardCache,
-    assign_to_ranks,
-    collate,
-    group_candidates,
-    microbatches,
-    select_step,
-    split_updates,
-)
+from trainer.batching import assign_to_ranks, collate, microbatches, split_updates
+from trainer.data import Limits, Planner, Sample, ShardCache, group_candidates, select_step
 
 from .buffer_helpers import make_layout, plan_sample_ids, sample
 

@@ -233,9 +233,11 @@ def test_trainer_publishes_deltas_between_full_versions(tmp_path, tiny_model_unt
     and in full; the delta rebuilds to the full version's bytes."""
     from transformers import AutoModelForCausalLM
 
+    from trainer.delta_base import DeltaBase
     from trainer.publish import publish_weights
 
     layout = make_layout(tmp_path)
+    base = DeltaBase()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_untied, dtype=torch.float32)
 
     def publish(v: int, **kw) -> None:
@@ -243,12 +245,12 @@ def test_trainer_publishes_deltas_between_full_versions(tmp_path, tiny_model_unt
             model, layout, v, v, dtype="bfloat16", tied=False, src_model_dir=tiny_model_untied, **kw
         )
 
-    publish(1, keep_base=True)
+    publish(1, base=base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    publish(2, delta_base=1, keep_base=True)
+    publish(2, delta_base=1, base=base)
     publish(3)
     assert weights.verify_version(layout, 2).kind == "delta"
     assert weights.verify_version(layout, 3).kind == "full"
@@ -262,5 +264,5 @@ def test_trainer_publishes_deltas_between_full_versions(tmp_path, tiny_model_unt
     delta_file = layout.weight_version(2) / (names[0] + deltas.DELTA_SUFFIX)
     assert delta_file.stat().st_size < 0.5 * (layout.weight_version(3) / names[0]).stat().st_size
     # a delta against a version this process does not hold as its base is published in full
-    publish(4, delta_base=3)
+    publish(4, delta_base=3, base=base)  # v3 was full but not kept: base still holds v1
     assert weights.verify_version(layout, 4).kind == "full"

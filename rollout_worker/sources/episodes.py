@@ -1,0 +1,88 @@
+"""Multi-turn episodes a batch of groups at a time: tool use (``env.tools``), agent programs (``env.agent``) and
+verifiers environments (``env.verifiers``).
+
+The task runs ``n`` episodes of each prompt side by side; their turns go to the engine through ``complete``, a
+thread-safe ``complete(prompt_ids, sampling)``: a ``Batcher`` that gathers concurrent turns into batch calls, or
+with ``rollout.streaming`` a ``StreamCompleter`` that submits each turn as its own request (a weight update may then
+land under a turn, and its completion says which version drew each token).  The built-in tool task on a batch
+engine calls ``generate`` itself instead, a turn of every live episode per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from buffer.config import ShardRLConfig
+from rollout_worker.envs import ToolTask
+from rollout_worker.prompts import EncodedPrompt
+from rollout_worker.scoring import ScoredBatch
+from rollout_worker.sources import Admit, Host, Produced
+from rollout_worker.sources.batch import BatchSource
+
+
+def make_task(cfg: ShardRLConfig, tokenizer: Any) -> Any:
+    """The run's episode task: a ``VerifiersTask`` (``env.verifiers``), an ``AgentTask`` (``env.agent``) or a
+    ``ToolTask`` (``env.tools``); None for single-turn runs."""
+    if cfg.env.verifiers:
+        from rollout_worker.envs.verifiers_env import VerifiersTask, configured_env
+
+        env, tasks = configured_env(cfg)  # what preflight loaded: the prompts are these tasks
+        return VerifiersTask(cfg, tokenizer, env, tasks=tasks)
+    if cfg.env.agent:
+        from rollout_worker.envs.agent import AgentTask
+
+        return AgentTask(cfg, tokenizer)
+    return ToolTask(cfg, tokenizer) if cfg.env.tools else None
+
+
+def make_complete(engine: Any, tokenizer: Any, streaming: bool) -> Any:
+    """The thread-safe ``complete`` episodes call: each turn its own request on a streaming engine, concurrent
+    turns batched into ``generate`` calls on a batch engine."""
+    from rollout_worker.engines.completer import Batcher, StreamCompleter
+
+    if streaming:
+        return StreamCompleter(engine)
+    return Batcher(engine.generate, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))
+
+
+class EpisodeSource(BatchSource):
+    """``BatchSource``'s loop with episodes in place of single generations."""
+
+    def __init__(self, host: Host, engine: Any, task: Any, complete: Any, *, streaming: bool):
+        super().__init__(host, engine, scorer=None)  # type: ignore[arg-type]  # the task scores its episodes
+        self.engine: Any = engine  # batch or streaming: a streaming engine's version tags each turn's tokens
+        self.task, self.complete, self.streaming = task, complete, streaming
+        self.last_stats: dict[str, float] = {}
+
+    def step(self, admit: Admit) -> Produced:
+        from rollout_worker.envs import episode_stats
+
+        out = super().step(admit)
+        if out.paused is None:
+            out.episode_stats = episode_stats(out.scored.groups)
+        return out
+
+    def make(self, prompts: list[EncodedPrompt], version: int) -> tuple[ScoredBatch, int]:
+        # a batch engine's weights change between batches only; a streaming engine's may change under a turn, and
+        # its completions then say which version drew each token
+        current = (lambda: self.engine.version) if self.streaming else (lambda: version)
+        epoch = self.host.stream.epoch
+        if isinstance(self.task, ToolTask):
+            return self.task.run_batch(
+                None if self.streaming else self.engine.generate,
+                prompts,
+                self.sampling(),
+                current,
+                group_prefix=self.group_prefix(),
+                epoch=epoch,
+                complete=self.complete if self.streaming else None,
+            )
+        return self.task.run_batch(  # type: ignore[no-any-return]
+            self.complete, prompts, self.sampling(), current, group_prefix=self.group_prefix(), epoch=epoch
+        )
+
+    def close(self) -> None:
+        for closing in (self.task, self.complete):
+            close = getattr(closing, "close", None)
+            if close is not None:
+                close()
