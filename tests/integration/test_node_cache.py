@@ -22,15 +22,17 @@ from buffer.layout import RunLayout
 
 from ._rollout_helpers import ROOT, make_run, ready_rows, spawn, stop, tail, wait_for, worker
 
-# Waits for the go file, materialises the version, prints what this process built and read from shared storage.
+# Says it is ready (its imports done), waits for the go file, materialises the version, prints what this process
+# built and read from shared storage.
 MATERIALISE = """
 import json, sys, time
 from pathlib import Path
 from buffer.layout import RunLayout
 from buffer.localcache import NodeCache
-run, cache, version, go = sys.argv[1:5]
+run, cache, version, go, ready = sys.argv[1:6]
+Path(ready).touch()
 while not Path(go).exists():
-    time.sleep(0.01)
+    time.sleep(0.001)
 c = NodeCache(RunLayout.of(run), Path(cache))
 wv = c.materialise(int(version))
 print(json.dumps({"built": c.built, "read": c.shared_bytes_read, "path": str(wv.path)}))
@@ -41,18 +43,25 @@ def _materialise_together(
     layout: RunLayout, cache: Path, version: int, n: int, tmp: Path
 ) -> list[dict[str, Any]]:
     go = tmp / f"go-{version}-{time.monotonic_ns()}"
+    ready = [go.with_name(f"{go.name}.ready{i}") for i in range(n)]
     env = {"PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", MATERIALISE, str(layout.root), str(cache), str(version), str(go)],
+            [sys.executable, "-c", MATERIALISE, str(layout.root), str(cache), str(version), str(go), str(r)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
-        for _ in range(n)
+        for r in ready
     ]
-    time.sleep(1.0)  # every process imported and waiting
+    # A barrier, not a sleep: go only once every process has imported and waits on it, however loaded the machine.
+    deadline = time.monotonic() + 300
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+            "a process never got ready"
+        )
+        time.sleep(0.01)
     go.touch()
     out = []
     for p in procs:

@@ -82,6 +82,10 @@ def test_requests_join_and_finish_one_by_one(engine: Any, tiny_model_untied: Pat
     engine.submit("late", prompt, spec)
     rest = collect(engine, {"late", "long"})
     assert len(rest["long"].response_ids) == 120 and len(rest["late"].response_ids) == 8
+    assert list(rest) == [
+        "late",
+        "long",
+    ]  # in the order they finished: the late one did not wait for the long one
     model = hf_model(tiny_model_untied)
     for c in (first["short"], rest["late"], rest["long"]):
         ref = reference_segments({0: model}, c, [0] * len(c.response_ids))
@@ -124,13 +128,17 @@ def test_a_weight_update_lands_mid_response_and_every_token_keeps_its_version(
 def test_aborted_request_never_comes_back(engine: Any, tiny_model_untied: Path) -> None:
     tok = tokenizer(tiny_model_untied)
     prompt = tok("3+9=")["input_ids"]
-    engine.submit("gone", prompt, SamplingSpec(temperature=1.0, max_tokens=400, ignore_eos=True))
+    engine.submit("gone", prompt, SamplingSpec(temperature=1.0, max_tokens=200, ignore_eos=True))
     engine.submit("kept", prompt, SamplingSpec(temperature=1.0, max_tokens=4, ignore_eos=True))
     engine.abort("gone")
     got = collect(engine, {"kept"})
-    time.sleep(0.5)
-    got.update(engine.finished(0.1))
-    assert set(got) == {"kept"}
+    # An event, not a wait: "after" starts later than "gone" and is longer, so a "gone" still running would finish
+    # first and be collected here, whatever the machine's load.
+    engine.submit("after", prompt, SamplingSpec(temperature=1.0, max_tokens=240, ignore_eos=True))
+    got.update(collect(engine, {"kept", "after"} - set(got)))
+    got.update(engine.finished(0.0))
+    assert set(got) == {"kept", "after"}
+    assert engine.stats().in_flight == 0
 
 
 def test_a_bad_weights_directory_changes_nothing(engine: Any, tmp_path: Path) -> None:

@@ -174,7 +174,9 @@ def test_a_hung_or_crashing_reward_costs_its_sample_not_the_worker(
         max_backlog_samples=10_000,
         reward={
             "function": "tests.integration._rollout_rewards:hangs_on_seven_dies_on_eight",
-            "timeout_s": 1.0,
+            # the hung call sleeps an hour, so any limit cuts it; 5 s leaves a normal reward (milliseconds, plus a
+            # reward process's start on a loaded machine) far inside it
+            "timeout_s": 5.0,
         },
     )
     log = tmp_path / "w0.log"

@@ -2,7 +2,9 @@
 sample (scorepool.py, envs/sandbox.py), not a lost worker.
 
 Real processes and real signals: a child Python process plays the worker, with two ``sleep`` children, one named
-the engine's; the test kills the other one, then the engine's.
+the engine's; the test kills the other one, then the engine's.  The watch's polls are events the child prints (each
+pid it checks), so the test waits for polls, not for time: under any load it knows the watch has looked at least
+twice after the kill, and which processes it looked at.
 """
 
 from __future__ import annotations
@@ -10,14 +12,22 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 from rollout_worker.lifecycle import EXIT_CRASH
 
 WORKER = textwrap.dedent(
     """
     import subprocess, sys, threading, time
+    import rollout_worker.lifecycle as lc
     from rollout_worker.lifecycle import Lifecycle, child_pids
+
+    checked = lc._is_child
+
+    def spy(pid):  # each pid the watch checks, as a line the test reads
+        print("poll", pid, flush=True)
+        return checked(pid)
+
+    lc._is_child = spy
 
     before = child_pids()
     engine = subprocess.Popen(["sleep", "600"])
@@ -43,10 +53,16 @@ def test_only_the_engines_death_ends_the_worker() -> None:
         assert w.stdout is not None
         engine, reward = w.stdout.readline().split()
         subprocess.run(["kill", "-9", reward], check=True)
-        time.sleep(8.0)  # the watch polls each second and gives the main thread 5 s to report first
-        assert _alive(w), "the worker exited when a process that is not its engine died"
+        polled: list[str] = []
+        while len(polled) < 3:  # three polls: at least two after the reward process died
+            line = w.stdout.readline().split()
+            assert line, f"the worker exited (code {w.wait()}) when a process that is not its engine died"
+            if line[0] == "poll":
+                polled.append(line[1])
+        assert polled == [engine] * 3, f"the watch checked {polled}, not only the engine {engine}"
+        assert _alive(w)
         subprocess.run(["kill", "-9", engine], check=True)
-        assert w.wait(timeout=30) == EXIT_CRASH
+        assert w.wait(timeout=60) == EXIT_CRASH
     finally:
         w.kill()
         w.wait()

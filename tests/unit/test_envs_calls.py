@@ -317,7 +317,9 @@ def test_agent_failures_score_zero_and_never_stop_the_batch(tokenizer: Any) -> N
             "reward": {"function": "exact_match"},
             "env": {
                 "agent": "tests.integration._agents:by_mode",
-                "agent_timeout_s": 2,
+                # the sleeping agent sleeps 10 s of wall time, so it always passes 6 s; the others' two HTTP calls
+                # take well under a second, 6 s is their margin under load
+                "agent_timeout_s": 6,
                 "max_turn_tokens": 96,
             },
             "rollout": {"sampling": {"max_response_length": 300}},
