@@ -22,6 +22,7 @@ Nobody formats a run-directory path by hand anywhere else.  The layout (also doc
       plans/epochs/XXXXXX.json trainer incarnations (fencing); XXXXXX.progress.json: the step each is planning
       weights/vXXXXXX/         published HF-format weight versions (manifest.json written last)
       weights/LATEST           atomic pointer to the newest complete version
+      weights/BEST.json        the evaluator's best-scoring version and its score (kept by garbage collection)
       status/workers/ID.json   worker status records (heartbeats)
       status/supervisors/ID.json
       status/trainer.json      trainer status record
@@ -175,6 +176,10 @@ class RunLayout:
     @property
     def latest_pointer(self) -> Path:
         return self.weights / "LATEST"
+
+    @property
+    def best_pointer(self) -> Path:
+        return self.weights / "BEST.json"
 
     # status records
     @property

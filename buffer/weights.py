@@ -52,7 +52,15 @@ from .digests import (  # noqa: F401
     sha256_file,
     sha256_files,
 )
-from .fsio import chmod_file, fsync_dir, make_dirs, naming, retry_transient
+from .fsio import (
+    chmod_file,
+    fsync_dir,
+    make_dirs,
+    naming,
+    read_json_or_none,
+    retry_transient,
+    write_json_atomic,
+)
 from .layout import RunLayout
 from .records import LatestPointer, ManifestFile, RecordError, WeightsManifest, read_record, write_record
 
@@ -302,13 +310,32 @@ def delta_base(layout: RunLayout, version: int) -> int | None:
     return record.base if record is not None else None
 
 
+def best_version(layout: RunLayout) -> tuple[int, float] | None:
+    """The evaluator's best-scoring version and its score (``weights/BEST.json``), or None (no evaluator, nothing
+    scored yet, or an unreadable record: then nothing extra is kept)."""
+    rec = read_json_or_none(layout.best_pointer)
+    if not isinstance(rec, dict):
+        return None
+    version, score = rec.get("version"), rec.get("score")
+    if not isinstance(version, int) or isinstance(version, bool) or not isinstance(score, (int, float)):
+        return None
+    return version, float(score)
+
+
+def record_best(layout: RunLayout, version: int, score: float) -> None:
+    """Name ``version`` the best so far (the evaluator calls this when a version beats the recorded best)."""
+    write_json_atomic(layout.best_pointer, {"version": version, "score": score, "at": time.time()})
+
+
 def garbage_collect(layout: RunLayout, keep: int, in_use: Iterable[int], every: int = 0) -> list[int]:
-    """Delete the versions ``retained`` does not keep (the newest ``keep``, multiples of ``every``), never LATEST
-    nor one a live worker reports as loaded, nor the full base of a delta version that is kept.
+    """Delete the versions ``retained`` does not keep (the newest ``keep``, multiples of ``every``), never LATEST,
+    the evaluator's best (``BEST.json``), nor one a live worker reports as loaded, nor the full base of a delta
+    version that is kept.
 
     Deleting a directory another node still reads gives it ESTALE/SIGBUS, hence ``in_use`` (from status records).
     """
-    protected = set(in_use) | {latest_version(layout)}
+    best = best_version(layout)
+    protected = set(in_use) | {latest_version(layout)} | ({best[0]} if best is not None else set())
     versions = published_versions(layout)
     kept = retained(versions, keep, every) | protected
     kept |= {b for v in kept if v in versions and (b := delta_base(layout, v)) is not None}

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from buffer import metrics
+from buffer import metrics, weights
 from buffer.config import ConfigError, DataConfig, ShardRLConfig
 from buffer.logs import logger
 from buffer.records import RecordError
@@ -224,6 +224,21 @@ def _line(record: dict[str, Any], step: int) -> str:
     )
 
 
+def _keep_if_best(run: Run, version: int, record: dict[str, Any]) -> None:
+    """A version that scores above the recorded best becomes ``weights/BEST.json``, which garbage collection keeps:
+    the best version stays exportable however many versions follow it.  Accuracy where the task defines one, else
+    the mean reward."""
+    score = record.get("accuracy", record.get("reward_mean"))
+    if version <= 0 or not isinstance(score, (int, float)):
+        return
+    best = weights.best_version(run.layout)
+    if best is None or score > best[1]:
+        try:
+            weights.record_best(run.layout, version, float(score))
+        except OSError as e:  # the version may go with garbage collection; the scores are in the metrics
+            log.warning("eval: could not record v%d as the best (%s)", version, e)
+
+
 def _run_finished(run: Run) -> bool:
     """The trainer recorded the end of the run's budget: nothing more will be published."""
     try:
@@ -283,6 +298,7 @@ def run_evaluator(run: Run, *, once: bool = False) -> int:
                 sink.log(record, step)
                 done.add(version)
                 log.info("%s", _line(record, step))
+                _keep_if_best(run, version, record)
             if last_round:
                 break
             stop.wait(run.config.eval.poll_s)

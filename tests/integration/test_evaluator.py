@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer import metrics
+from buffer import metrics, weights
 from buffer.run import Run
 from buffer.status import mark_finished
 from rollout_worker.evaluator import is_due, pending, summarize
@@ -49,6 +49,8 @@ def test_two_published_versions_make_two_records(run: Run) -> None:
         assert r["prompts"] == 20 and 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["reward_mean"] <= 1.0
     # the same weights, greedy: the same score
     assert recs[0]["accuracy"] == recs[1]["accuracy"]
+    # the best version is the first that scored it (an equal score does not replace it), kept from retention
+    assert weights.best_version(run.layout) == (1, recs[0]["accuracy"])
     # without --once it follows the run until the run is finished; a restart scores nothing twice
     mark_finished(run.layout, step=20, total_steps=20, published_version=2, epoch=None)
     again = _evaluate(run, once=False)

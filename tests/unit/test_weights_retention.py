@@ -35,3 +35,22 @@ def test_retained_without_milestones_is_the_newest_k():
     assert weights.retained([1, 2, 3, 4], keep=2) == {3, 4}
     assert weights.retained([2, 4, 6, 9], keep=1, every=3) == {6, 9}
     assert weights.retained([1, 2], keep=5, every=0) == {1, 2}
+
+
+def test_the_evaluators_best_version_survives_retention(tmp_path):
+    """``weights/BEST.json`` (the evaluator's best-scoring version) is kept however many versions follow it, so the
+    version a demo names as the one to export can be exported; a damaged record keeps nothing extra."""
+    layout = make_layout(tmp_path)
+    for v in range(1, 4):
+        publish_version(layout, v)
+    weights.record_best(layout, 2, 0.9)
+    assert weights.best_version(layout) == (2, 0.9)
+    for v in range(4, 10):
+        publish_version(layout, v)
+        weights.garbage_collect(layout, keep=2, in_use=[])
+    assert weights.published_versions(layout) == [2, 8, 9]
+    layout.best_pointer.write_text("{not json")
+    assert weights.best_version(layout) is None
+    publish_version(layout, 10)
+    weights.garbage_collect(layout, keep=2, in_use=[])
+    assert weights.published_versions(layout) == [9, 10]
