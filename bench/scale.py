@@ -47,7 +47,7 @@ from buffer.config import ShardRLConfig
 from buffer.layout import BUCKET_S
 from buffer.plans import Consumption, PlanLog
 from buffer.run import Run, open_run
-from buffer.weights import write_latest
+from buffer.weights import commit_version, staging_dir
 
 SAMPLES_PER_STEP = 1024
 SHARD_SAMPLES = 64
@@ -162,9 +162,20 @@ def build(root: Path, steps: int, workers: int) -> Path:
             )
         with contextlib.suppress(OSError):  # the template's bucket, when nothing else was published there
             tpath.parent.rmdir()
-        write_latest(layout, steps, steps)
+        _publish_version(run, steps)
         _write_trainer_record(run, log, steps)
     return layout.root
+
+
+def _publish_version(run: Run, version: int) -> None:
+    """Version ``version`` committed the way the trainer commits it (staging, manifest, LATEST), so the run is one
+    ``shardrl fsck`` accepts: the base model's config and weights, which the workers' status records name."""
+    st = staging_dir(run.layout, version)
+    for f in run.model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, st / f.name)
+    dtype = run.config.model.dtype if run.config.model.dtype != "auto" else "float32"
+    commit_version(run.layout, version, st, step=version, dtype=dtype)
 
 
 def _write_trainer_record(run: Run, log: PlanLog, steps: int) -> None:

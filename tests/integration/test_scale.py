@@ -51,3 +51,20 @@ def test_the_instrumented_count_agrees_with_strace_on_a_worker_check(tmp_path: P
     by_strace = scale.measure(root, "worker_check", 20, strace=True)["calls"]
     by_python = scale.measure(root, "worker_check", 20, strace=False)["calls"]
     assert 1 <= by_python <= by_strace <= WORKER_CHECK_BOUND
+
+
+def test_the_bench_builds_a_run_its_own_fsck_accepts(tmp_path: Path) -> None:
+    """The measured run is a valid run: LATEST names a version that exists and verifies, every shard validates."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scale  # type: ignore[import-not-found]
+
+    from buffer.fsck import fsck
+    from buffer.run import open_run
+
+    run = open_run(scale.build(tmp_path / "run", 60, 4))
+    report = fsck(run.layout, run.config)
+    assert report.problems == []
+    from buffer.weights import read_latest
+
+    latest = read_latest(run.layout, checksums=True)
+    assert latest is not None and latest.version == 60
