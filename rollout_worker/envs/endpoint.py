@@ -22,9 +22,10 @@ sent before generation ends), ``stream_options.include_usage``; the reply has ``
 ``finish_reason`` "stop" / "length" / "tool_calls", and ``usage``.  ``temperature``, ``top_p``, ``top_k`` and
 ``seed`` are taken from the episode's ``SamplingSpec`` (the run's ``rollout.sampling``) and the request's are
 ignored, because the trainer recomputes logprobs at the run's temperature; ``request_sampling=True`` honours them
-(serving, evaluation).  ``tool_choice`` and ``parallel_tool_calls`` are accepted and ignored.  Not covered:
-``logprobs`` in the reply, ``n`` > 1, ``response_format``, images and audio, the Responses and legacy Completions
-APIs.
+(serving, evaluation).  ``tool_choice`` and ``parallel_tool_calls`` are accepted and ignored.  ``logprobs: true``
+puts each generated token's logprob (under the distribution it was sampled from) in ``choices[0].logprobs.content``;
+``top_logprobs`` > 0 is refused (400: the engine returns the sampled token's logprob only).  Not covered: ``n`` > 1,
+``response_format``, images and audio, the Responses and legacy Completions APIs.
 
 Prompts, token for token.  The engine never sees a re-tokenised assistant turn.  A request whose messages are an
 earlier call's messages, that call's reply (the content and tool calls sent back, compared as parsed values), then
@@ -365,9 +366,22 @@ class ChatEndpoint:
             raise RequestError(404, f"episode {eid!r} ended while this call was generating", "no_episode")
         with ep.lock:
             ep.log.exchanges.append(x)
+        logprobs = self._logprobs(c) if req.logprobs else None
         return self._reply(
-            req, message, _finish(message, c.finish_reason), len(prompt_ids), len(c.response_ids)
+            req, message, _finish(message, c.finish_reason), len(prompt_ids), len(c.response_ids), logprobs
         )
+
+    def _logprobs(self, c: Completion) -> dict[str, Any]:
+        """``choices[0].logprobs`` of a reply: each generated token, its text and its logprob under the
+        distribution it was sampled from (the behaviour logprob the sample is trained with)."""
+        content = []
+        with self._render_lock:
+            for t, lp in zip(c.response_ids, c.response_logprobs, strict=True):
+                text = self.renderer.decode([t], special=True)
+                content.append(
+                    {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+                )
+        return {"content": content}
 
     def _refuse(self, ep: _Episode, message: str, code: str) -> NoReturn:
         with ep.lock:
@@ -416,7 +430,13 @@ class ChatEndpoint:
         return replace(s, n=1, max_tokens=budget, seed=seed, stop=list(dict.fromkeys([*s.stop, *req.stop])))
 
     def _reply(
-        self, req: ChatRequest, message: Message, finish: str, n_prompt: int, n_completion: int
+        self,
+        req: ChatRequest,
+        message: Message,
+        finish: str,
+        n_prompt: int,
+        n_completion: int,
+        logprobs: dict[str, Any] | None = None,
     ) -> tuple[int, str, bytes]:
         head = {
             "id": f"chatcmpl-{secrets.token_hex(12)}",
@@ -429,19 +449,27 @@ class ChatEndpoint:
             "total_tokens": n_prompt + n_completion,
         }
         if not req.stream:
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             return _json(200, {**head, "object": "chat.completion", "choices": [choice], "usage": usage})
-        return 200, "text/event-stream", _events(head, message, finish, usage if req.include_usage else None)
+        events = _events(head, message, finish, usage if req.include_usage else None, logprobs)
+        return 200, "text/event-stream", events
 
 
-def _events(head: dict[str, Any], message: Message, finish: str, usage: dict[str, int] | None) -> bytes:
-    """The finished completion as the chunks a streaming client reads: role and content, tool calls, the finish."""
+def _events(
+    head: dict[str, Any],
+    message: Message,
+    finish: str,
+    usage: dict[str, int] | None,
+    logprobs: dict[str, Any] | None = None,
+) -> bytes:
+    """The finished completion as the chunks a streaming client reads: role and content (with every token's
+    logprob when asked), tool calls, the finish."""
     head = {**head, "object": "chat.completion.chunk"}
 
-    def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+    def chunk(delta: dict[str, Any], reason: str | None = None, lp: Any = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}]}
 
-    chunks = [chunk({"role": "assistant", "content": message["content"] or ""})]
+    chunks = [chunk({"role": "assistant", "content": message["content"] or ""}, lp=logprobs)]
     for i, tc in enumerate(message.get("tool_calls", [])):
         chunks.append(chunk({"tool_calls": [{"index": i, **tc}]}))
     chunks.append(chunk({}, finish))

@@ -39,6 +39,7 @@ class ChatRequest:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    logprobs: bool = False  # each completion token's logprob in the reply (``top_logprobs`` are not served)
 
 
 def parse_request(body: bytes) -> ChatRequest:
@@ -54,6 +55,11 @@ def parse_request(body: bytes) -> ChatRequest:
         raise bad_request("field 'messages' must be a non-empty list of messages")
     if obj.get("n") not in (None, 1):
         raise bad_request(f"field 'n' is {obj['n']!r}; only n = 1 is served (one completion per call)")
+    top = obj.get("top_logprobs")
+    if top not in (None, 0):
+        raise bad_request(
+            f"field 'top_logprobs' is {top!r}; only 0 is served (the engine returns the sampled token's logprob)"
+        )
     options = obj.get("stream_options")
     return ChatRequest(
         messages=[normalise_message(f"messages[{i}]", m) for i, m in enumerate(messages)],
@@ -67,6 +73,7 @@ def parse_request(body: bytes) -> ChatRequest:
         top_p=_number(obj, "top_p", 0.0, 1.0),
         top_k=_integer(obj, "top_k"),
         seed=_integer(obj, "seed"),
+        logprobs=_flag(obj, "logprobs"),
     )
 
 

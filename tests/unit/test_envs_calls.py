@@ -311,6 +311,34 @@ def test_the_endpoint_refuses_in_one_openai_shaped_line(tokenizer: Any) -> None:
     assert len(log.exchanges) == 1 and log.refused and "env.max_turns" in log.refused[0]
 
 
+def test_logprobs_are_served_or_refused_never_ignored(tokenizer: Any) -> None:
+    with ChatEndpoint(ChatRenderer(tokenizer, TEMPLATE), model_name="tiny") as endpoint:
+        eid = endpoint.open(Script(tokenizer, ["5", "7"]), limits=Limits(4, 8, 100, 400))
+        path = f"/episodes/{eid}/v1/chat/completions"
+
+        def post(body: Any) -> tuple[int, bytes]:
+            status, _, data = endpoint.handle("POST", path, json.dumps(body).encode())
+            return status, data
+
+        status, data = post({"messages": QUESTION, "top_logprobs": 2})
+        assert status == 400 and "top_logprobs" in json.loads(data)["error"]["message"]
+        status, data = post({"messages": QUESTION, "logprobs": True})
+        assert status == 200
+        content = json.loads(data)["choices"][0]["logprobs"]["content"]
+        call = endpoint.close(eid).calls[0]
+        assert [c["logprob"] for c in content] == call.logprobs  # what the sample is trained with
+        assert "".join(c["token"] for c in content) == tokenizer.decode(
+            call.completion_ids, skip_special_tokens=False
+        )
+        eid = endpoint.open(Script(tokenizer, ["5"]), limits=Limits(4, 8, 100, 400))
+        path = f"/episodes/{eid}/v1/chat/completions"
+        status, data = post({"messages": QUESTION, "logprobs": True, "stream": True})
+        first = json.loads(data.decode().split("\n\n")[0].removeprefix("data: "))
+        assert status == 200 and len(first["choices"][0]["logprobs"]["content"]) == len(call.completion_ids)
+        status, data = post({"messages": QUESTION})
+        assert json.loads(data)["choices"][0]["logprobs"] is None  # not asked for
+
+
 def test_agent_failures_score_zero_and_never_stop_the_batch(tokenizer: Any) -> None:
     cfg = ShardRLConfig.model_validate(
         {
