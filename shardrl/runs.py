@@ -25,7 +25,7 @@ def build_base_model(layout: RunLayout, cfg: ShardRLConfig) -> None:
                 "model.tiny_pretrain_steps: needs a built-in task (data.task max_digit, mod_add or lookup), not a prompts file"
             )
         task = pretraining_task(cfg.data.task)
-        pretrain(layout.base_model, task, cfg.model.tiny_pretrain_steps, seed=cfg.run.seed)
+        pretrain(layout.base_model, task, cfg.model.tiny_pretrain_steps, seed=cfg.run.seed, progress=True)
 
 
 def init_run(root: str | Path, cfg: ShardRLConfig) -> Run:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -222,12 +224,37 @@ def pretraining_task(task: str) -> str:
     return {"max_digit": "mod_add", "mod_add": "max_digit"}.get(task, task)
 
 
-def pretrain(model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float = 3e-3) -> None:
+PROGRESS_S = 5.0  # a pretraining progress line at most this often
+
+
+class _Progress:
+    """One stderr line every PROGRESS_S while the base pretrains (the demo's first minutes show nothing else)."""
+
+    def __init__(self, task: str, steps: int, show: bool):
+        self.task, self.steps, self.show = task, steps, show
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, step: int, loss: float) -> None:
+        now = time.monotonic()
+        if self.show and (now - self.last >= PROGRESS_S or step == self.steps):
+            self.last = now
+            print(
+                f"pretraining the tiny base on {self.task}: step {step}/{self.steps}, loss {loss:.3f}, "
+                f"{now - self.start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def pretrain(
+    model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float = 3e-3, progress: bool = False
+) -> None:
     """Train the tiny model in ``model_dir`` (in place) for ``steps`` supervised steps on the answers of the
     built-in ``task``: a base that has learnt to answer such prompts with a digit, as a pretrained model has seen
     related tasks.  A random tiny base does not know that format, and LoRA adapters on its frozen embeddings cannot
     teach it (``shardrl demo --lora`` pretrains on the task it does not train).  ``lookup`` teaches the tool task's
-    format only (``_lookup_examples``).  Deterministic for a ``seed``."""
+    format only (``_lookup_examples``).  Deterministic for a ``seed``.  ``progress``: a line on stderr every few
+    seconds."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -236,10 +263,11 @@ def pretrain(model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float
         torch.manual_seed(seed)
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        report = _Progress(task, steps, progress)
         if task == "lookup":
-            _pretrain_format(model, opt, tok, steps, seed)
+            _pretrain_format(model, opt, tok, steps, seed, report)
         else:
-            _pretrain_answers(model, opt, tok, task, steps)
+            _pretrain_answers(model, opt, tok, task, steps, report)
     tmp = tmp_name(model_dir)
     try:
         model.save_pretrained(tmp)
@@ -251,7 +279,7 @@ def pretrain(model_dir: Path, task: str, steps: int, *, seed: int = 0, lr: float
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pretrain_answers(model: Any, opt: Any, tok: Any, task: str, steps: int) -> None:
+def _pretrain_answers(model: Any, opt: Any, tok: Any, task: str, steps: int, report: _Progress) -> None:
     """Full-batch steps on the one-token answers of a digit task's prompts."""
     import torch
 
@@ -263,18 +291,19 @@ def _pretrain_answers(model: Any, opt: Any, tok: Any, task: str, steps: int) -> 
         raise ValueError(f"{task}: prompts of unequal length; pretraining expects one length")
     answers = torch.tensor([tok(t.answer)["input_ids"][0] for t in examples])
     ids = torch.tensor(prompts)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         loss = torch.nn.functional.cross_entropy(model(ids).logits[:, -1], answers)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        report(step, float(loss))
 
 
 # Examples per step of the tool task's format pretraining, each with a fresh code and a fresh random answer.
 FORMAT_BATCH = 16
 
 
-def _pretrain_format(model: Any, opt: Any, tok: Any, steps: int, seed: int) -> None:
+def _pretrain_format(model: Any, opt: Any, tok: Any, steps: int, seed: int, report: _Progress) -> None:
     """Steps on whole episodes of the lookup task, the loss on the model's own turns only."""
     import torch
 
@@ -284,7 +313,7 @@ def _pretrain_format(model: Any, opt: Any, tok: Any, steps: int, seed: int) -> N
     held_out = set(lookup_codes("eval"))
     codes = [c for c in LOOKUP_CODES if c not in held_out]
     pad = int(tok.pad_token_id)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         examples = _lookup_examples(tok, rng.sample(codes, FORMAT_BATCH), rng)
         width = max(len(ids) for ids, _ in examples)
         ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in examples])
@@ -295,6 +324,7 @@ def _pretrain_format(model: Any, opt: Any, tok: Any, steps: int, seed: int) -> N
         opt.zero_grad()
         loss.backward()
         opt.step()
+        report(step, float(loss))
 
 
 def _lookup_examples(tok: Any, codes: list[int], rng: random.Random) -> list[tuple[list[int], list[int]]]:

@@ -58,3 +58,13 @@ def test_pretraining_needs_a_built_in_task(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"model\.tiny_pretrain_steps"):
         init_run(tmp_path / "run", cfg)
+
+
+def test_pretraining_shows_its_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo's first minutes are the base's pretraining: it says so on stderr, the last step always."""
+    model = build_tiny_model(tmp_path / "m", seed=0, init_std=0.02)
+    pretrain(model, "lookup", 3, seed=0, progress=True)
+    err = capsys.readouterr().err
+    assert "pretraining the tiny base on lookup: step 3/3, loss" in err
+    pretrain(model, "mod_add", 2, seed=0)  # without progress: silent
+    assert capsys.readouterr().err == ""
