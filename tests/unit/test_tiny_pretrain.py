@@ -67,4 +67,4 @@ def test_pretraining_shows_its_progress(tmp_path: Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert "pretraining the tiny base on lookup: step 3/3, loss" in err
     pretrain(model, "mod_add", 2, seed=0)  # without progress: silent
-    assert capsys.readouterr().err == ""
+    assert "pretraining the tiny base" not in capsys.readouterr().err
