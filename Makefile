@@ -40,7 +40,7 @@ lint: $(STAMP)
 # Two pytest-xdist processes, a file at a time (tests/conftest.py); TEST_JOBS=0 runs the suite in this one process.
 TEST_JOBS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --durations=25 tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -4,12 +4,14 @@ verifiers environments (``env.verifiers``).
 The task runs ``n`` episodes of each prompt side by side; their turns go to the engine through ``complete``, a
 thread-safe ``complete(prompt_ids, sampling)``: a ``Batcher`` that gathers concurrent turns into batch calls, or
 with ``rollout.streaming`` a ``StreamCompleter`` that submits each turn as its own request (a weight update may then
-land under a turn, and its completion says which version drew each token).  The built-in tool task on a batch
-engine calls ``generate`` itself instead, a turn of every live episode per call.
+land under a turn, and its completion says which version drew each token: the source follows the trainer's
+versions while its episodes run).  The built-in tool task on a batch engine calls ``generate`` itself instead, a
+turn of every live episode per call.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from buffer.config import ShardRLConfig
@@ -18,6 +20,8 @@ from rollout_worker.prompts import EncodedPrompt
 from rollout_worker.scoring import ScoredBatch
 from rollout_worker.sources import Admit, Host, Produced
 from rollout_worker.sources.batch import BatchSource
+
+FOLLOW_S = 0.05  # while a streaming batch's episodes run, LATEST is looked at this often (rate-limited again)
 
 
 def make_task(cfg: ShardRLConfig, tokenizer: Any) -> Any:
@@ -63,9 +67,35 @@ class EpisodeSource(BatchSource):
         return out
 
     def make(self, prompts: list[EncodedPrompt], version: int) -> tuple[ScoredBatch, int]:
-        # a batch engine's weights change between batches only; a streaming engine's may change under a turn, and
-        # its completions then say which version drew each token
-        current = (lambda: self.engine.version) if self.streaming else (lambda: version)
+        if not self.streaming:  # a batch engine's weights change between batches only
+            return self._run(prompts, lambda: version)
+        return self._run_following(prompts)
+
+    def _run_following(self, prompts: list[EncodedPrompt]) -> tuple[ScoredBatch, int]:
+        """The batch's episodes in a thread of their own while this one follows the trainer's versions: a new one
+        is loaded under the turns in flight (the streaming engine's ``update_weights``), between turns or inside
+        one, and each completion says which version drew each token."""
+        out: list[tuple[ScoredBatch, int]] = []
+        failed: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                out.append(self._run(prompts, lambda: self.engine.version))
+            except BaseException as e:  # raised in the worker's thread below
+                failed.append(e)
+
+        episodes = threading.Thread(target=body, daemon=True, name="episodes")
+        episodes.start()
+        weights = self.host.weights
+        while episodes.is_alive():
+            episodes.join(FOLLOW_S)
+            if weights is not None and episodes.is_alive():
+                weights.poll()  # rate-limited by rollout.weights_poll_s
+        if failed:
+            raise failed[0]
+        return out[0]
+
+    def _run(self, prompts: list[EncodedPrompt], current: Any) -> tuple[ScoredBatch, int]:
         epoch = self.host.stream.epoch
         if isinstance(self.task, ToolTask):
             return self.task.run_batch(

@@ -138,6 +138,47 @@ def _mixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["token_versions"] is not None]
 
 
+def test_episodes_take_a_weight_update_in_flight(tmp_path: Path, tiny_model_untied: Path) -> None:
+    """Tool episodes on the streaming path (``env.tools`` with ``rollout.streaming``): a version published while a
+    batch's episodes generate is loaded under their turns, not after the batch, and an episode spanning it records
+    both versions, per token, in order.  (Before, episodes ran a whole batch on the version it started with.)"""
+    run = make_run(
+        tmp_path / "run",
+        tiny_model_untied,
+        rollout={
+            "engine": "hf",
+            "streaming": True,
+            "prompts_per_batch": 2,
+            "shard_samples": 4,
+            "flush_interval_s": 0.5,
+            "weights_poll_s": 0.2,
+            "max_staleness": 1000,
+            "max_backlog_samples": 1_000_000,
+            "sampling": {"n": 2, "max_response_length": 240},
+        },
+        env={"tools": ["tests.unit._env_tools:lookup"], "max_turn_tokens": 240},
+        data={"max_prompt_length": 64},
+        trainer={"max_staleness": 1000, "samples_per_step": 4},
+        run={"heartbeat_interval_s": 0.5},
+    )
+    new = write_perturbed(tiny_model_untied, tmp_path / "v", tied=False)
+    log = tmp_path / "w0.log"
+    w = _worker(run, log)
+    try:
+        wait_for("a batch generating", lambda: (worker(run, "w0").get("in_flight") or 0) > 0, 180)
+        _publish(run, new, 1)
+        wait_for("an episode spanning the update published", lambda: _mixed(ready_rows(run)), 180)
+    finally:
+        stop(w)
+    assert w.returncode == 0, log.read_text()[-3000:]
+    mixed = _mixed(ready_rows(run))
+    for r in mixed:
+        vs = r["token_versions"]
+        model = [v for v, m in zip(vs, r["loss_mask"], strict=True) if m]
+        assert model == sorted(model) and set(model) == {0, 1} and r["policy_version"] == 0
+        assert len(vs) == len(r["response_ids"])
+
+
 def test_groups_the_trainer_would_drop_are_stopped_in_flight(tmp_path: Path, tiny_model_untied: Path) -> None:
     run = _run(
         tmp_path / "run",
