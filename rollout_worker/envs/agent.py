@@ -240,6 +240,8 @@ class AgentTask:
             "ended": "timeout" if run.timed_out else "error" if error else "done",
             "truncated": cut,
             "calls": len(calls),
+            # what the model asked for, read from the replies the endpoint sent back (the agent ran the tools)
+            "tool_calls": sum(len(x.reply.get("tool_calls") or []) for x in log.exchanges),
             "seconds": round(run.seconds, 3),
         }
         if log.refused:

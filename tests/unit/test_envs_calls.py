@@ -20,6 +20,7 @@ import pytest
 from buffer import shards
 from buffer.config import ShardRLConfig
 from rollout_worker.engines.base import Completion, SamplingSpec
+from rollout_worker.envs import episode_stats
 from rollout_worker.envs.agent import AgentTask
 from rollout_worker.envs.calls import Call, Split, split_calls, split_rows
 from rollout_worker.envs.endpoint import ChatEndpoint, EpisodeLog
@@ -370,6 +371,8 @@ def test_agent_failures_score_zero_and_never_stop_the_batch(tokenizer: Any) -> N
     assert len(scored.errors) == 1 and "prompt 4" in scored.errors[0] and "before calling" in scored.errors[0]
     records = [[json.loads(r["episode"]) for r in g] for g in scored.groups]
     assert [r["reward"] for r in scored.groups[0]] == [1.0, 1.0] and records[0][0]["calls"] == 2
+    # the calculator agent's first reply asked for the tool: counted from the recorded replies, shown per episode
+    assert records[0][0]["tool_calls"] == 1 and episode_stats(scored.groups[:1])["tool_calls"] == 2
     assert [rec[0]["ended"] for rec in records] == ["done", "error", "timeout", "error"]
     assert "the agent broke" in records[1][0]["error"] and "agent_timeout_s" in records[2][0]["error"]
     assert "returned int" in records[3][0]["error"]
