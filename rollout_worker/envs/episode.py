@@ -252,6 +252,7 @@ class Episode:
     closed: list[tuple[list[int], str, list[Turn]]] = field(default_factory=list)
     ended: str | None = None  # done | length | turn_limit | context_limit | template
     reply: str = ""  # the last assistant turn's text
+    reply_cut: bool = False  # the last assistant turn was cut at its budget (env.max_turn_tokens or the room left)
     stats: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "tool_s"), 0)
     )
@@ -297,6 +298,7 @@ class Episode:
         budget = min(limits.max_turn_tokens, room)
         ids, lps = list(c.response_ids[:budget]), list(c.response_logprobs[:budget])
         self.reply = self.renderer.decode(ids) if len(c.response_ids) > budget else c.response_text
+        self.reply_cut = len(c.response_ids) > budget or c.finish_reason == "length"
         versions = None if c.token_versions is None else list(c.token_versions[:budget])
         if versions:  # a streaming engine says which weights drew each token
             version = min(versions)
@@ -311,7 +313,8 @@ class Episode:
         for k in ("tool_calls", "tool_errors", "tool_timeouts", "tool_s"):
             self.stats[k] += getattr(step, k)
         if step.done:
-            self.ended = "done"
+            # an episode whose last reply was cut ends truncated, as a single-turn response cut at its budget does
+            self.ended = "length" if self.reply_cut else "done"
             return
         if self.model_turns >= limits.max_turns:
             self.ended = "turn_limit"
@@ -490,6 +493,8 @@ def _rows(e: Episode, episode_id: str, group_id: str, prompt: Prompt, epoch: int
     for k, (ids, text, turns) in enumerate(pieces):
         piece = replace(e, prompt_ids=ids, prompt_text=text, turns=turns, closed=[])
         row = _row(piece, group_id, prompt, epoch, reward=last["reward"])
+        if k < len(pieces) - 1:  # closed where the template broke, its turns ended as the model ended them
+            row["finish_reason"] = "stop"
         record = json.loads(last["episode"]) | {"episode_id": episode_id, "split": k, "splits": len(pieces)}
         row["episode"] = json.dumps(record)
         rows.append(row)

@@ -352,3 +352,29 @@ def test_a_template_that_drops_reasoning_splits_the_episode_into_faithful_sample
     # the trainer gives both samples the episode's advantage: one entry of its group
     samples = _samples(table)
     assert {s.episode_key for s in samples} == {records[0]["episode_id"]}
+
+
+def test_a_cut_last_reply_ends_truncated_and_only_its_own_sample_says_length(tokenizer: Any) -> None:
+    """A final reply cut at ``env.max_turn_tokens`` ends the episode as ``length`` (truncated, scored with
+    ``reward.truncated_reward``), as a single-turn response cut at its budget is; when the template split the
+    episode, the earlier sample, whose turns the model ended itself, stays ``stop``."""
+    first = "<think>look it up</think>" + call("lookup", key="alpha")
+    budget = len(tokenizer(first, add_special_tokens=False)["input_ids"]) + 8
+    scripts = {"What is alpha?": [first, "7 " * budget]}
+    cfg = ShardRLConfig.model_validate(
+        {
+            "reward": {"function": "exact_match", "truncated_reward": -1.0},
+            "env": {"tools": [f"{TOOLS}:lookup"], "tool_timeout_s": 20, "max_turn_tokens": budget},
+            "rollout": {"sampling": {"max_response_length": 1500}},
+            "data": {"max_prompt_length": 1000},
+        }
+    )
+    task = ToolTask(cfg, tokenizer, chat_template=DROPS_REASONING)
+    (prompt,) = _prompts("What is alpha?")
+    e = task.episode(prompt)
+    run_episodes(ScriptedModel(tokenizer, scripts), [e], SamplingSpec(seed=1), task.limits, version=lambda: 4)
+    assert e.ended == "length" and e.truncated and len(e.closed) == 1
+    rows, why = group_rows([e], "g", prompt)
+    assert why is None and rows is not None
+    assert [r["finish_reason"] for r in rows] == ["stop", "length"]
+    assert all(json.loads(r["episode"])["truncated"] for r in rows) and {r["reward"] for r in rows} == {-1.0}
