@@ -26,8 +26,8 @@ def require_answers(cfg: ShardRLConfig, prompts: list[Prompt]) -> None:
 
 
 def validate_prompts_file(cfg: ShardRLConfig) -> list[Prompt]:
-    """What ``shardrl init`` checks before it creates a run: the prompts load and render, the reward can score, and
-    every tool of ``env.tools`` imports.
+    """What ``shardrl init`` checks before it creates a run: the prompts load and render, the reward can score,
+    every tool of ``env.tools`` imports, and the environment of ``env.verifiers`` loads with its arguments.
 
     One-line ``PromptError`` (a ``ConfigError``) naming the file, the row and the field.  The chat template is checked
     on the tokenizer's files when the tokenizer directory already exists (the built-in tiny one is built later and
@@ -35,6 +35,10 @@ def validate_prompts_file(cfg: ShardRLConfig) -> list[Prompt]:
     """
     check_reward_name(cfg.reward.function)
     check_tools(cfg)
+    if cfg.env.verifiers is not None:  # the environment loads here: a wrong taskset or argument fails at init
+        from rollout_worker.envs.verifiers_env import env_prompts
+
+        return env_prompts(cfg)
     prompts = load_prompts(cfg.data)
     chat = next((p for p in prompts if p.messages is not None), None)
     tok_dir = Path(cfg.model.tokenizer or cfg.model.path)

@@ -252,7 +252,9 @@ class Episode:
     closed: list[tuple[list[int], str, list[Turn]]] = field(default_factory=list)
     ended: str | None = None  # done | length | turn_limit | context_limit | template
     reply: str = ""  # the last assistant turn's text
-    reply_cut: bool = False  # the last assistant turn was cut at its budget (env.max_turn_tokens or the room left)
+    reply_cut: bool = (
+        False  # the last assistant turn was cut at its budget (env.max_turn_tokens or the room left)
+    )
     stats: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "tool_s"), 0)
     )

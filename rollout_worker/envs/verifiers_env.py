@@ -88,6 +88,16 @@ class VerifiersRolloutError(RuntimeError):
 
 
 def _one_line(e: BaseException) -> str:
+    """The error as one line; a pydantic validation error with every field it names and why (its own first line
+    is only "N validation errors for X")."""
+    errors = getattr(e, "errors", None)
+    if callable(errors) and type(e).__name__ == "ValidationError":
+        with contextlib.suppress(Exception):
+            fields = "; ".join(
+                f"{'.'.join(str(x) for x in err.get('loc', ())) or '(root)'}: {err.get('msg')}"
+                for err in errors()
+            )
+            return f"{type(e).__name__} ({getattr(e, 'title', '')}): {fields}"[:1000]
     return f"{type(e).__name__}: {e}".strip().splitlines()[0][:500]
 
 

@@ -313,3 +313,27 @@ def test_an_environment_that_cannot_load_fails_preflight_in_one_line(
         ConfigError, match=r"^env.verifiers \('_verifiers_envs'\): the evaluator \(--eval\) does"
     ):
         eval_prompts(good.config)
+
+
+def test_init_loads_the_environment_and_names_every_bad_field(
+    tiny_model_untied: Path, tmp_path: Path
+) -> None:
+    """``shardrl init`` loads ``env.verifiers`` with its arguments, so a wrong taskset name or argument fails there,
+    in one line that names each field pydantic refused, and no run directory is made."""
+    with pytest.raises(VerifiersConfigError, match=r"no-such-taskset.*cannot load it") as bad_name:
+        env_run(tmp_path / "a", tiny_model_untied, spec="no-such-taskset")
+    assert "\n" not in str(bad_name.value) and not (tmp_path / "a").exists()
+    from rollout_worker.checks import validate_prompts_file
+
+    cfg = ShardRLConfig.model_validate(
+        {
+            "model": {"path": str(tiny_model_untied)},
+            "data": {"task": "env", "max_prompt_length": 64},
+            "env": {"verifiers": ENV, "verifiers_args": {**LOCAL, "taskset": {"num_tasks": 2, "bogus": 1}}},
+        }
+    )
+
+    with pytest.raises(VerifiersConfigError) as bad_arg:
+        validate_prompts_file(cfg)
+    message = str(bad_arg.value)
+    assert "ValidationError" in message and "bogus" in message and "\n" not in message, message
