@@ -203,6 +203,29 @@ def add_range(ranges: list[list[int]], a: int, b: int) -> bool:
     return True
 
 
+def cover(ranges: list[list[int]], n: int) -> None:
+    """Add ``n`` to sorted, disjoint ``ranges`` (merged in place); nothing when it is there already."""
+    if not covers(ranges, n):
+        add_range(ranges, n, n + 1)
+
+
+def covers(ranges: Iterable[list[int]], n: int) -> bool:
+    return any(a <= n < b for a, b in ranges)
+
+
+def writer_seq(text: str) -> tuple[str, int] | None:
+    """``("worker.incarnation", seq)`` of a shard's name (``bBBBBBBBBB.W.I.SSSSSS.nN.CRC.arrow``) or of one of its
+    writer's sample ids (``W.I.SEQ.ROW``); None for anything else (sample ids a caller chose, other names)."""
+    parts = text.split(".")
+    if len(parts) == 7 and parts[0].startswith("b") and parts[-1] == "arrow":
+        worker, incarnation, seq = parts[1], parts[2], parts[3]
+    elif len(parts) == 4:
+        worker, incarnation, seq = parts[0], parts[1], parts[2]
+    else:
+        return None
+    return (f"{worker}.{incarnation}", int(seq)) if seq.isdigit() else None
+
+
 def count_rows(ranges: Iterable[list[int]]) -> int:
     return sum(b - a for a, b in ranges)
 
@@ -229,6 +252,10 @@ class Consumption:
     def __init__(self, open_from: int = 0):
         self.open_from = open_from
         self.rows: dict[str, list[list[int]]] = {}
+        # per writer incarnation ("worker.incarnation"), the seqs of its shards that plans consumed from, as
+        # ranges: a few numbers per incarnation, kept for the whole run, so that a copy of a consumed shard is
+        # known for one at any age (``consumed_copy``), also once the original's bucket is forgotten
+        self.writers: dict[str, list[list[int]]] = {}
         self.consumed_samples = 0
         self.dropped_samples = 0
         self.trained_steps = 0
@@ -246,6 +273,7 @@ class Consumption:
             out.dropped_samples = summary.dropped_samples
             out.trained_steps = summary.trained_steps
             out.step = summary.step
+            out.writers = {k: [list(r) for r in v] for k, v in summary.writers.items()}
         if plans_after:
             out.catch_up(layout)
         return out
@@ -279,6 +307,9 @@ class Consumption:
                     "takes",
                     f"rows {a}..{b} of {plan.shards[i]} are consumed already",
                 )
+        for name in plan.shards:
+            if (ws := writer_seq(name)) is not None:
+                cover(self.writers.setdefault(ws[0], []), ws[1])
         self.consumed_samples += plan.samples + plan.dropped
         self.dropped_samples += plan.dropped
         self.trained_steps += int(plan.samples > 0)
@@ -286,6 +317,17 @@ class Consumption:
 
     def consumed_in(self, name: str) -> int:
         return count_rows(self.rows.get(name, ()))
+
+    def consumed_copy(self, name: str, sample_ids: Iterable[str]) -> str | None:
+        """Why shard ``name`` is a copy of samples consumed from another shard, or None: its samples' writer and
+        seq (``W.I.SEQ.ROW``) are a consumed shard's while nothing was consumed under its own name.  Any age, any
+        name: the original may be long behind ``open_from``."""
+        if self.consumed_in(name) > 0:
+            return None  # the original itself
+        for ws in {w for i in sample_ids if (w := writer_seq(i)) is not None}:
+            if covers(self.writers.get(ws[0], ()), ws[1]):
+                return f"duplicate: its samples are shard {ws[1]} of writer {ws[0]}, consumed already"
+        return None
 
     def is_consumed(self, name: str, row: int) -> bool:
         return any(a <= row < b for a, b in self.rows.get(name, ()))
@@ -310,6 +352,7 @@ class Consumption:
             dropped_samples=self.dropped_samples,
             trained_steps=self.trained_steps,
             consumed={k: [list(r) for r in v] for k, v in self.rows.items()},
+            writers={k: [list(r) for r in v] for k, v in self.writers.items()},
         )
 
 

@@ -422,7 +422,9 @@ class LogSummary(Record):
     one and reads only the plans after it.
 
     ``open_from``: the oldest shard bucket that may hold unconsumed samples (every shard before it is consumed);
-    ``consumed``: the consumed rows of each shard from ``open_from`` on, as [first, after-last) ranges."""
+    ``consumed``: the consumed rows of each shard from ``open_from`` on, as [first, after-last) ranges;
+    ``writers``: per writer incarnation, the seqs of the shards consumed from, as ranges (for the whole run; absent
+    in summaries written before it: those copies are then known from the plans after the summary only)."""
 
     schema_version: Literal[1] = 1
     max_bytes: ClassVar[int] = 64 << 20
@@ -433,6 +435,7 @@ class LogSummary(Record):
     dropped_samples: int = Field(ge=0)
     trained_steps: int = Field(ge=0)
     consumed: dict[str, list[list[int]]]
+    writers: dict[str, list[list[int]]] = Field(default_factory=dict)
     at: float = Field(default_factory=time.time)
 
 

@@ -131,8 +131,9 @@ class ShardCache:
     """Unconsumed rows of the ready shards, read from the buckets that may still hold some (``BucketLister``).
 
     Bad shards are quarantined, and so is a duplicate: a shard holding a sample id that another shard seen in the
-    open window holds too (a copy under a second valid name).  So every sample id in ``rows`` is unique and
-    unconsumed, and no step can plan one twice.
+    open window holds too (a copy under a second valid name), or one whose samples a plan consumed from another
+    shard at any age (``Consumption.consumed_copy``: a backup restored, an rsync into a later bucket).  So every
+    sample id in ``rows`` is unique and unconsumed, and no step can plan one twice.
     """
 
     layout: RunLayout
@@ -158,7 +159,9 @@ class ShardCache:
             if rows is None:
                 continue
             new += 1
-            reason = self._duplicate(s.name, rows)
+            reason = self._duplicate(s.name, rows) or consumption.consumed_copy(
+                s.name, (r.sample_id for r in rows)
+            )
             if reason is not None:
                 self._quarantine(s.name, reason)
                 continue

@@ -185,3 +185,44 @@ def test_a_copy_listed_before_a_consumed_original_is_not_planned_after_a_restart
     again = Planner(layout, plans.PlanLog.claim(layout), Limits())
     assert again.try_plan(2, 4, 0, 4, True) is None
     assert layout.ready_shard(original).exists() and shards.quarantined(layout) == [copy]
+
+
+def test_a_copy_of_a_consumed_shard_is_caught_at_any_age_in_any_bucket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of a shard whose bucket is sealed, consumed and forgotten (a backup restored, an rsync into a later
+    bucket) is quarantined as a duplicate, by a running trainer and by a restarted one reading a summary: the
+    consumption log keeps, per writer incarnation, the seqs it consumed from (a few numbers, not the shards)."""
+    now = [1_000_000.0]
+    monkeypatch.setattr(shards.time, "time", lambda: now[0])  # a hand clock for every reader of time.time
+    layout = make_layout(tmp_path)
+    w = ShardWriter(layout, "run", "w0")
+    for i in range(4):
+        w.add(sample(i, group="a"))  # the writer's own sample ids: w0.<incarnation>.<seq>.<row>
+    path = w.flush()
+    assert path is not None
+    original = path.name
+    planner = Planner(layout, plans.PlanLog.claim(layout), Limits())
+    assert planner.try_plan(1, 4, 0, 4, True) is not None
+    now[0] += 7200  # two hours: the original's bucket is sealed and consumed, the window forgets it
+    assert planner.try_plan(2, 4, 0, 4, True) is None
+    assert original not in planner.cache.owner.values() and original not in planner.cache.done
+
+    def copy_into_now() -> str:
+        s = ShardName.parse(original)
+        assert s is not None
+        copy = ShardName(shards.bucket_at(now[0]), s.worker_id, s.incarnation, s.seq, s.rows, s.crc).name
+        layout.ready_bucket(shards.bucket_at(now[0])).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(layout.ready_shard(original), layout.ready_shard(copy))
+        return copy
+
+    copy = copy_into_now()
+    assert planner.try_plan(2, 4, 0, 4, True) is None
+    assert layout.quarantined_shard(copy).exists() and "consumed already" in _reason(layout, copy)
+    planner.log.write_summary(planner.consumption)
+    now[0] += 120
+    again = Planner(layout, plans.PlanLog.claim(layout), Limits())  # restarted: the summary, no window
+    second = copy_into_now()
+    assert again.try_plan(2, 4, 0, 4, True) is None
+    assert layout.quarantined_shard(second).exists() and "consumed already" in _reason(layout, second)
+    assert len(_all_planned(layout)) == 4  # the four samples, trained once
