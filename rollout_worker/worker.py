@@ -52,7 +52,7 @@ from buffer.shards import ShardWriter, new_incarnation
 from rollout_worker.admission import Admission, View
 from rollout_worker.engines import resolve_kind
 from rollout_worker.engines.spec import EngineSpec
-from rollout_worker.envs import EPISODE_COUNTERS, ToolTask
+from rollout_worker.envs import EPISODE_COUNTERS
 from rollout_worker.following import WeightFollower
 from rollout_worker.lifecycle import (
     EXIT_CRASH,
@@ -73,9 +73,9 @@ from rollout_worker.prompts import (
 from rollout_worker.publishing import GroupPublisher
 from rollout_worker.rewards import Scorer
 from rollout_worker.sources import Produced, RolloutSource
-from rollout_worker.sources.batch import BatchSource
-from rollout_worker.sources.episodes import EpisodeSource, make_complete, make_task
-from rollout_worker.sources.streaming import StreamingSource, max_in_flight
+from rollout_worker.sources.episodes import make_task
+from rollout_worker.sources.make import make_source
+from rollout_worker.sources.streaming import max_in_flight
 from rollout_worker.streaming import LengthDraw
 
 __all__ = ["EXIT_CRASH", "EXIT_LEASE", "EXIT_OK", "EXIT_USER", "USER_ERRORS", "preflight", "worker_id_for"]
@@ -275,8 +275,14 @@ class RolloutWorker:
         before = child_pids()
         self.engine = self._engine()
         engine_pids = child_pids() - before
-        self.source = self._source(
-            task, tokenizer, scorer, None if reward_model is None else reward_model.score
+        self.source = make_source(
+            self,
+            self.engine,
+            task=task,
+            tokenizer=tokenizer,
+            scorer=scorer,
+            lengths=self._length_draw(),
+            model_scorer=None if reward_model is None else reward_model.score,
         )
         self.life.install_signal_handlers()  # an engine library may have replaced them while starting
         self.life.watch_engine(engine_pids)
@@ -297,25 +303,7 @@ class RolloutWorker:
 
     def _engine(self) -> Any:
         spec = EngineSpec.of_run(self.run, derive_seed(self.cfg.run.seed, "engine", self.slot))
-        if self.cfg.rollout.streaming:
-            return spec.streaming_engine(max_in_flight(self.cfg))
-        return spec.batch_engine()
-
-    def _source(self, task: Any, tokenizer: Any, scorer: Scorer, model_scorer: Any) -> RolloutSource:
-        """The run's rollout source: episodes when the run has an environment, else single-turn batches or, with
-        ``rollout.streaming``, single-turn groups streamed through the engine."""
-        streaming = self.cfg.rollout.streaming
-        if task is not None:
-            complete = None
-            if streaming or not isinstance(
-                task, ToolTask
-            ):  # a batch engine's tool task calls generate itself
-                complete = make_complete(self.engine, tokenizer, streaming)
-            return EpisodeSource(self, self.engine, task, complete, streaming=streaming)
-        lengths = self._length_draw()
-        if streaming:
-            return StreamingSource(self, self.engine, scorer, lengths=lengths, model_scorer=model_scorer)
-        return BatchSource(self, self.engine, scorer, lengths=lengths, model_scorer=model_scorer)
+        return spec.build(streaming=self.cfg.rollout.streaming, max_batch_size=max_in_flight(self.cfg))
 
     def _length_draw(self) -> LengthDraw | None:
         """``rollout.sampling.lengths = "loguniform"``: each sample's own length (benchmarks)."""

@@ -48,6 +48,10 @@ class EngineSpec:
             lora_rank=self.lora_rank,
         )
 
+    def build(self, *, streaming: bool, max_batch_size: int) -> Any:
+        """The streaming engine (``rollout.streaming``) or the batch one."""
+        return self.streaming_engine(max_batch_size) if streaming else self.batch_engine()
+
     def batch_engine(self) -> Any:
         return make_engine(self.kind, self.model_dir, **self._common())
 
