@@ -8,6 +8,7 @@ verifiers is not installed (the ``verifiers`` extra)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -300,13 +301,26 @@ def test_a_worker_runs_the_environment_the_config_names(tiny_model_untied: Path,
 def test_an_environment_that_cannot_load_fails_preflight_in_one_line(
     tiny_model_untied: Path, tmp_path: Path
 ) -> None:
-    run = env_run(tmp_path / "run", tiny_model_untied, spec="no_such_taskset")  # init does not load it
+    good = env_run(tmp_path / "good", tiny_model_untied)
+    # init loads the environment now (test_init_loads_the_environment_and_names_every_bad_field); a config edited
+    # after init, or an environment gone since, still fails the worker's preflight in one line
+    env = good.config.env.model_copy(update={"verifiers": "no_such_taskset"})
+    run = dataclasses.replace(good, config=good.config.model_copy(update={"env": env}))
     with pytest.raises(USER_ERRORS) as e:
         preflight(run)
     assert isinstance(e.value, VerifiersConfigError) and "\n" not in str(e.value)
     assert "'no_such_taskset': cannot load it" in str(e.value)
-    good = env_run(tmp_path / "good", tiny_model_untied)
-    assert configured_env(good.config) is configured_env(good.config)  # preflight's load is _start's
+    # preflight's load is the one _start uses: the worker builds its task from the same loaded environment
+    loaded, _ = configured_env(good.config)
+    from transformers import AutoTokenizer
+
+    from rollout_worker.sources.episodes import make_task
+
+    task = make_task(good.config, AutoTokenizer.from_pretrained(tiny_model_untied))
+    try:
+        assert task.env is loaded
+    finally:
+        task.close()
     from rollout_worker.evaluator import eval_prompts
 
     with pytest.raises(
