@@ -228,14 +228,17 @@ class RolloutWorker:
     def admit(self, extra: int = 0, poll: bool = True) -> str | None:
         """Why no more samples may start now (``stale`` / ``backlog``), or None.  What the trainer will have
         without them: the backlog, ours waiting or generating, the other workers' batches; ``extra`` samples the
-        source is starting now.  ``poll``: load a newer version first when one is due (``catch_up``)."""
+        source is starting now.  ``poll``: read the run's state again when it is due and load a newer version first
+        when one is (``catch_up``); a source asks without it for each of the samples it starts in a row, so that
+        those are counted once, in ``extra``, against one view."""
         assert self.weights is not None and self.source is not None
         now = time.monotonic()
-        if self._view is None or now - self._viewed_at >= self.source.admission_every_s:
+        if self._view is None or (poll and now - self._viewed_at >= self.source.admission_every_s):
             pending = self.publisher.pending_samples + self.source.generating()
             self._view = self.admission.view(self.publisher.published_samples, pending)
             self._viewed_at, self._since = now, 0
         view, step = self._view, self.cfg.trainer.samples_per_step
+        assert view is not None
         coming, rec = view.coming + self._since + extra, view.trainer
         if poll:
             newest = (
