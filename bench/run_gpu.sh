@@ -38,6 +38,9 @@ export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 SITE=${SHARDRL_GPU_SITE:-/root/shardrl-site}
 # shellcheck disable=SC1091
 [ -f "$SITE/env.sh" ] && source "$SITE/env.sh"  # what bench/gpu_install.sh installed
+# The project itself, where it is not pip-installed: bench/e2e.py starts its processes with `python -P`, which
+# leaves the working directory off the path.
+export PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 RUN="python -m torch.distributed.run --nproc_per_node=$NGPU"
 { nvidia-smi -L; free -g | head -2; python -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)"; } \
