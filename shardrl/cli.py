@@ -74,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--tmp-age-s", type=float, default=3600.0, help="temporaries older than this are abandoned"
     )
+    s = _sub(
+        sub,
+        "audit",
+        "the run's sample ledger from its files: generated, consumed once, dropped as stale, quarantined, waiting "
+        "and lost per writer incarnation; exit 1 on a duplicate or a loss",
+    )
+    s.add_argument("--json", action="store_true", help="the ledger as JSON")
     s = _sub(sub, "synth", "write N valid synthetic shards of M samples through the real writer")
     s.add_argument("--shards", type=int, required=True)
     s.add_argument("--samples", type=int, required=True)
@@ -300,6 +307,33 @@ def _fsck(args: argparse.Namespace, _: dict[str, str]) -> int:
     return 0 if rep.ok else 1
 
 
+def _audit(args: argparse.Namespace, _: dict[str, str]) -> int:
+    from buffer.audit import audit
+    from buffer.layout import RunLayout
+
+    layout = RunLayout.of(args.run)  # the files alone: a run whose config no longer loads is audited too
+    if not (layout.shards_ready.is_dir() or layout.plans.is_dir()):
+        print(f"shardrl audit: {layout.root}: not a run directory (no shards/ready, no plans)", file=sys.stderr)
+        return 2
+    led = audit(layout)
+    if args.json:
+        print(json.dumps(led.to_json(), indent=1))
+        return 0 if led.ok else 1
+    t = led.totals()
+    print(
+        f"{len(led.writers)} writer incarnations, {led.steps} steps: generated {t['generated']}, consumed "
+        f"{t['consumed']} ({t['dropped_stale']} dropped as stale), quarantined {t['quarantined']}, waiting "
+        f"{t['waiting']}, consumed from shards since deleted {t['consumed_gone']}, lost {t['lost']}, duplicated "
+        f"{len(led.duplicates)}"
+    )
+    for line in [*led.duplicates, *led.problems]:
+        print(f"PROBLEM {line}")
+    for name, w in sorted(led.writers.items()):
+        if w.lost:
+            print(f"PROBLEM writer {name}: published {w.published} samples, {w.lost} in no shard")
+    return 0 if led.ok else 1
+
+
 def _synth(args: argparse.Namespace, _: dict[str, str]) -> int:
     from buffer.run import open_run
 
@@ -346,6 +380,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, dict[str, str]], int]] = {
     "status": _status,
     "scale": _scale_cmd,
     "fsck": _fsck,
+    "audit": _audit,
     "synth": _synth,
     "tiny-model": _tiny_model,
     "demo": _demo,
