@@ -662,6 +662,25 @@ def _orphans(root: Path, a: Audit, grace_s: float) -> None:
         a.problems.append(f"orphan process {pid}: {cmd[:200]}")
 
 
+def _ledger(layout: RunLayout, a: Audit) -> None:
+    """``shardrl audit``'s ledger, which reads no shard's contents, must agree with this one, which reads every
+    sample id: nothing trained twice, nothing lost, the same samples consumed and dropped."""
+    from buffer.audit import audit as ledger
+
+    led = ledger(layout)
+    t = led.totals()
+    a.figures["ledger"] = t
+    a.problems += [f"shardrl audit: {d}" for d in led.duplicates]
+    if led.lost:
+        a.problems.append(f"shardrl audit: {led.lost} published samples in no shard")
+    consumed = a.figures.get("samples_consumed", 0) + a.figures.get("samples_dropped", 0)
+    if (t["consumed"], t["dropped_stale"]) != (consumed, a.figures.get("samples_dropped", 0)):
+        a.problems.append(
+            f"shardrl audit counts {t['consumed']} consumed ({t['dropped_stale']} dropped), the sample ids "
+            f"{consumed} ({a.figures.get('samples_dropped', 0)})"
+        )
+
+
 def audit(storm: Storm, orphan_grace_s: float = DRAIN_S + 20.0) -> Audit:
     """Everything checked from the files of the run directory (and the process table for orphans: a worker whose
     supervisor was SIGKILLed drains its batch first, hence the grace)."""
@@ -677,6 +696,7 @@ def audit(storm: Storm, orphan_grace_s: float = DRAIN_S + 20.0) -> Audit:
     _check_weights(layout, storm.sampler, a)
     _check_control(layout, storm.commands, a)
     _fsck(layout.root, a)
+    _ledger(layout, a)
     a.figures["kills"] = dict(sorted(storm.kills.items()))
     a.figures["restarts"] = {r.name: len(r.exits) for r in storm.roles()}
     return a
