@@ -313,7 +313,9 @@ def _audit(args: argparse.Namespace, _: dict[str, str]) -> int:
 
     layout = RunLayout.of(args.run)  # the files alone: a run whose config no longer loads is audited too
     if not (layout.shards_ready.is_dir() or layout.plans.is_dir()):
-        print(f"shardrl audit: {layout.root}: not a run directory (no shards/ready, no plans)", file=sys.stderr)
+        print(
+            f"shardrl audit: {layout.root}: not a run directory (no shards/ready, no plans)", file=sys.stderr
+        )
         return 2
     led = audit(layout)
     if args.json:
