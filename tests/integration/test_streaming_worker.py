@@ -116,21 +116,29 @@ def test_weights_change_under_requests_in_flight(tmp_path: Path, tiny_model_unti
         sampling={"max_response_length": 96, "lengths": "loguniform", "min_response_length": 48},
     )
     w, log, new = _generating(run, tmp_path, tiny_model_untied)
+    weights = [new, tiny_model_untied]
     try:
-        _publish(run, new, 1)
-        wait_for("v1 loaded", lambda: worker(run, "w0").get("weights_version") == 1, 60)
-        wait_for("a sample spanning the update published", lambda: _mixed(ready_rows(run)), 120)
+        # A version that lands while every group of the engine has just finished (they can end together) is
+        # under no request: the next version is published under the next ones, up to four tries, each an event.
+        # (One such run under a loaded machine saw 3,476 samples and no span with a single version.)
+        for v in range(1, 5):
+            _publish(run, weights[(v - 1) % 2], v)
+            wait_for(f"v{v} loaded", lambda v=v: worker(run, "w0").get("weights_version") == v, 60)
+            with contextlib.suppress(AssertionError):
+                wait_for("a sample spanning the update published", lambda: _mixed(ready_rows(run)), 30)
+            if _mixed(ready_rows(run)):
+                break
     finally:
         stop(w)
     assert w.returncode == 0, log.read_text()[-3000:]
     rows = ready_rows(run)  # every shard validated, token_versions included
     mixed = _mixed(rows)
-    assert mixed, "no sample spans the weight update"
+    assert mixed, "no sample spans a weight update"
     for r in mixed:
         vs = r["token_versions"]
-        assert vs == sorted(vs) and set(vs) == {0, 1} and r["policy_version"] == 0
+        assert vs == sorted(vs) and len(set(vs)) == 2 and vs[-1] == vs[0] + 1 and r["policy_version"] == vs[0]
         assert len(vs) == len(r["response_ids"])
-    assert {r["policy_version"] for r in rows} <= {0, 1}
+    assert {r["policy_version"] for r in rows} <= {0, 1, 2, 3, 4}
     assert worker(run, "w0")["reloads_in_flight"] >= 1
 
 
