@@ -454,7 +454,7 @@ def worker_figures(layout: RunLayout, poller: Poller, t0: float, t1: float) -> d
             if state == "paused":
                 paused[reason or "other"] += 1
     polls = max(1, len(window) * max(1, len(ids)))
-    busy, batch_s, tokens, engine_busy, aborted = 0.0, [], 0, [], 0
+    busy, batch_s, tokens, engine_busy, aborted = 0.0, [], 0.0, [], 0
     for path in sorted(layout.metrics.glob("rollout-*.jsonl")):
         records = read_all(path)
         # streaming workers: samples stopped in flight as too stale to train on (a running count per worker)
@@ -464,7 +464,11 @@ def worker_figures(layout: RunLayout, poller: Poller, t0: float, t1: float) -> d
             if end is not None and isinstance(dur, int | float) and overlap(end - dur, end, t0, t1) > 0:
                 busy += overlap(end - dur, end, t0, t1)
                 batch_s.append(float(dur))
-            if end is not None and t0 < end <= t1:
+            span = r.get("interval_s")
+            if end is not None and isinstance(span, int | float) and span > 0:
+                # a streaming worker's line covers its interval: the share of it inside the window
+                tokens += int(r.get("tokens") or 0) * overlap(end - span, end, t0, t1) / span
+            elif end is not None and t0 < end <= t1:
                 tokens += int(r.get("tokens") or 0)
                 if isinstance(r.get("engine_busy"), int | float):
                     engine_busy.append(float(r["engine_busy"]))
@@ -768,14 +772,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.shape is not None:
             args.model = str(build_shaped_model(args.shape, base / f"model-{args.shape}"))
+        # The limit first where the model is already built: a run cut short by a time limit still has it.
+        alone_first = args.engine_alone and args.model is not None
+        if alone_first:
+            results["engine_alone"] = engine_alone(args, shape, Path(args.model))
+            write_out(args, shape, results)
         for name, bound, streaming in args.mode_list:
             print(f"e2e: mode {name}: {args.steps} steps of {shape.samples_per_step} samples ...", flush=True)
             results[name] = measure_mode(args, shape, base / f"run-{name}", bound, streaming)
+            add_engine_ratios(results)
             write_out(args, shape, results)  # what is measured so far survives an interrupted run
-        if args.engine_alone:
+        if args.engine_alone and not alone_first:
             first = args.mode_list[0][0]
-            model = Path(args.model) if args.model else base / f"run-{first}" / "base_model"
-            results["engine_alone"] = engine_alone(args, shape, model)
+            results["engine_alone"] = engine_alone(args, shape, base / f"run-{first}" / "base_model")
             add_engine_ratios(results)
             write_out(args, shape, results)
         print(table(results, ratios(results), ratios(results, "serial_estimate_samples_per_s")))

@@ -93,7 +93,8 @@ class StreamingVllmEngine:
         self.version = 0
         self.last_reload_s = 0.0
         self._done: queue.Queue[tuple[str, Completion] | None] = queue.Queue()
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # the loop's own
+        self._keys: set[str] = set()  # requests in flight, as the caller sees them (under _lock)
         self._lock = threading.Lock()
         self._clock = BusyClock()
         self._arrived = 0  # tokens handed over so far (what a pause waits to stop moving)
@@ -126,14 +127,23 @@ class StreamingVllmEngine:
         self._raise_error()
         params = self._params(sampling)
         with self._lock:
-            if key in self._tasks:
+            if key in self._keys:
                 raise ValueError(f"request {key!r} is already in flight")
-            self._clock.set(in_flight=len(self._tasks) + 1)
-            future = asyncio.run_coroutine_threadsafe(self._start(key, list(prompt_ids), params), self._loop)
-        future.result()  # the task is registered; the request runs on
+            self._keys.add(key)
+            self._clock.set(in_flight=len(self._keys))
+        # Not waited for: with hundreds of requests in flight the loop is busy with their outputs, and a round
+        # trip per request would hold back the next group's start by one of its turns each.  The loop runs its
+        # callbacks in order, so an abort sent after this finds the task.
+        self._loop.call_soon_threadsafe(self._start, key, list(prompt_ids), params)
 
-    async def _start(self, key: str, prompt_ids: list[int], params: Any) -> None:
-        self._tasks[key] = asyncio.get_running_loop().create_task(self._run(key, prompt_ids, params))
+    def _start(self, key: str, prompt_ids: list[int], params: Any) -> None:  # on the loop
+        self._tasks[key] = self._loop.create_task(self._run(key, prompt_ids, params))
+
+    def _forget(self, key: str) -> None:
+        self._tasks.pop(key, None)
+        with self._lock:
+            self._keys.discard(key)
+            self._clock.set(in_flight=len(self._keys))
 
     def _params(self, sampling: SamplingSpec) -> Any:
         from vllm import SamplingParams
@@ -150,6 +160,10 @@ class StreamingVllmEngine:
             logprobs=0,
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
+            # Text is decoded once from the ids when the response is done; vLLM's incremental detokenizer runs
+            # in this process for every request at every step, which at hundreds of requests in flight is what
+            # holds the engine back.  Stop strings need it.
+            detokenize=bool(sampling.stop),
         )
 
     async def _run(self, key: str, prompt_ids: list[int], params: Any) -> None:
@@ -180,9 +194,7 @@ class StreamingVllmEngine:
             self._done.put(None)
             return
         finally:
-            with self._lock:
-                self._tasks.pop(key, None)
-                self._clock.set(in_flight=len(self._tasks))
+            self._forget(key)
         self._done.put(
             (
                 key,
@@ -220,6 +232,7 @@ class StreamingVllmEngine:
         task = self._tasks.get(key)
         if task is not None:
             task.cancel()
+            self._forget(key)  # a task cancelled before its first turn never runs its own finally
             with contextlib.suppress(Exception):
                 await self.engine.abort(key)
 
@@ -260,7 +273,7 @@ class StreamingVllmEngine:
     def stats(self) -> EngineStats:
         busy, paused = self._clock.read()
         return EngineStats(
-            in_flight=len(self._tasks),
+            in_flight=len(self._keys),
             busy_s=busy,
             paused_s=paused,
             updates=self._updates,
