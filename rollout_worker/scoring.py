@@ -9,7 +9,6 @@ Nothing here touches the run directory, the engine or the clock, so ``tests/unit
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from buffer.schema import logprobs_ok as valid_logprobs
 from rollout_worker.engines.base import Completion
 from rollout_worker.prompts import EncodedPrompt
 from rollout_worker.rewards import GroupRewards
+from rollout_worker.rows import SampleRow, oldest, spanned
 
 # Logprobs are log-softmax outputs: <= 0 up to float32 rounding (the shard schema's tolerance).
 
@@ -147,23 +147,18 @@ def _row(
         score, weight = model
         extra |= {"reward_function": reward, "reward_model": score}
         reward = reward + weight * score
-    row = {
-        "group_id": gid,
-        "prompt_ids": list(p.ids),
-        "response_ids": list(c.response_ids),
-        "response_logprobs": [min(x, 0.0) for x in c.response_logprobs],
-        "reward": reward,
-        "policy_version": version,
-        "finish_reason": c.finish_reason,
-        "prompt_text": p.text or p.prompt.text,  # what the model saw (chat template applied)
-        "response_text": c.response_text,
-        "answer": p.prompt.answer,
-        "extra": json.dumps(extra),
-    }
-    if (
-        c.token_versions is not None
-    ):  # generated across a weight update: the oldest token is what staleness means
-        row["policy_version"] = min(c.token_versions)
-        if len(set(c.token_versions)) > 1:
-            row["token_versions"] = list(c.token_versions)
-    return row
+    return SampleRow(
+        group_id=gid,
+        prompt_ids=p.ids,
+        response_ids=c.response_ids,
+        response_logprobs=c.response_logprobs,
+        reward=reward,
+        # generated across a weight update: the oldest token is what staleness means
+        policy_version=oldest(c.token_versions) if c.token_versions else version,
+        finish_reason=c.finish_reason,
+        prompt_text=p.text or p.prompt.text,  # what the model saw (chat template applied)
+        response_text=c.response_text,
+        answer=p.prompt.answer,
+        extra=extra,
+        token_versions=spanned(c.token_versions),
+    ).to_dict()

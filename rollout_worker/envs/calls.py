@@ -28,7 +28,6 @@ episode's advantage (``trainer/step.py``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 from buffer.schema import logprobs_ok as valid_logprobs
 
 from ..prompts import Prompt
+from ..rows import SampleRow, Turns, oldest
 from .episode import ENV_VERSION, Turn
 
 
@@ -134,28 +134,25 @@ def split_rows(
     Every row carries the episode's reward and finish reason (what the reward judged is the whole episode), and
     ``record`` with ``split``/``splits`` added; ``decode`` gives the text of ids, special tokens kept.
     """
-    rows = []
-    for i, s in enumerate(splits):
-        versions = [t.version for t in s.turns if t.model]
-        rows.append(
-            {
-                "group_id": group_id,
-                "prompt_ids": list(s.prompt_ids),
-                "response_ids": s.response_ids,
-                "response_logprobs": [min(x, 0.0) for x in s.response_logprobs],
-                "reward": reward,
-                "policy_version": min(versions),  # the oldest model turn's: what staleness is judged by
-                "finish_reason": finish_reason,
-                "prompt_text": decode(s.prompt_ids),
-                "response_text": decode(s.response_ids),
-                "answer": prompt.answer,
-                "extra": json.dumps({"prompt_index": prompt.index, "epoch": epoch}),
-                "loss_mask": s.loss_mask,
-                "turn_lengths": [len(t.ids) for t in s.turns],
-                "turn_versions": [t.version for t in s.turns],
-                "episode": json.dumps(
-                    {**record, "split": i, "splits": len(splits), "split_calls": len(s.calls)}
-                ),
-            }
-        )
-    return rows
+    return [
+        SampleRow(
+            group_id=group_id,
+            prompt_ids=s.prompt_ids,
+            response_ids=s.response_ids,
+            response_logprobs=s.response_logprobs,
+            reward=reward,
+            policy_version=oldest([t.version for t in s.turns if t.model]),  # what staleness is judged by
+            finish_reason=finish_reason,
+            prompt_text=decode(s.prompt_ids),
+            response_text=decode(s.response_ids),
+            answer=prompt.answer,
+            extra={"prompt_index": prompt.index, "epoch": epoch},
+            turns=Turns(
+                s.loss_mask,
+                [len(t.ids) for t in s.turns],
+                [t.version for t in s.turns],
+                {**record, "split": i, "splits": len(splits), "split_calls": len(s.calls)},
+            ),
+        ).to_dict()
+        for i, s in enumerate(splits)
+    ]

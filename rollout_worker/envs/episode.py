@@ -41,6 +41,7 @@ from ..engines.base import Completion, SamplingSpec
 from ..prompts import Prompt, PromptError
 from ..rewards import RewardFunction
 from ..rewards import Sample as RewardSample
+from ..rows import SampleRow, Turns, oldest
 from .sandbox import ToolRunner
 from .tools import Tool, parse_tool_calls
 
@@ -510,24 +511,21 @@ def _row(
     record = e.record()
     if reward is None:
         reward = _reward(e, finish, record)
-    versions = [t.version for t in e.turns if t.model]
-    row = {
-        "group_id": group_id,
-        "prompt_ids": list(e.prompt_ids),
-        "response_ids": e.response_ids,
-        "response_logprobs": [min(x, 0.0) for x in e.response_logprobs],
-        "reward": reward,
-        "policy_version": min(versions),  # the oldest turn's: what staleness is judged by
-        "finish_reason": finish,
-        "prompt_text": e.prompt_text,
-        "response_text": e.renderer.decode(e.response_ids, special=True),
-        "answer": prompt.answer,
-        "extra": json.dumps({"prompt_index": prompt.index, "epoch": epoch}),
-        "loss_mask": e.loss_mask,
-        "turn_lengths": [len(t.ids) for t in e.turns],
-        "turn_versions": [t.version for t in e.turns],
-        "episode": json.dumps(record),
-    }
+    token_versions = None
     if any(t.token_versions for t in e.turns):  # a weight update landed inside a turn: versions per token
-        row["token_versions"] = [v for t in e.turns for v in (t.token_versions or [t.version] * len(t.ids))]
-    return row
+        token_versions = [v for t in e.turns for v in (t.token_versions or [t.version] * len(t.ids))]
+    return SampleRow(
+        group_id=group_id,
+        prompt_ids=e.prompt_ids,
+        response_ids=e.response_ids,
+        response_logprobs=e.response_logprobs,
+        reward=reward,
+        policy_version=oldest([t.version for t in e.turns if t.model]),  # what staleness is judged by
+        finish_reason=finish,
+        prompt_text=e.prompt_text,
+        response_text=e.renderer.decode(e.response_ids, special=True),
+        answer=prompt.answer,
+        extra={"prompt_index": prompt.index, "epoch": epoch},
+        turns=Turns(e.loss_mask, [len(t.ids) for t in e.turns], [t.version for t in e.turns], record),
+        token_versions=token_versions,
+    ).to_dict()
