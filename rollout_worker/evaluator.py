@@ -262,14 +262,14 @@ def build(run: Run) -> Evaluator:
     """Prompts, reward and engine, built once (user errors first, before the engine starts)."""
     from transformers import AutoTokenizer
 
-    from rollout_worker.engines.spec import EngineSpec
+    from rollout_worker.engines import EngineSpec, build_engine
     from rollout_worker.prompts import derive_seed
 
     cfg = run.config
     prompts, scorer = eval_prompts(cfg), make_scorer(cfg.reward)
     tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer_dir))
     encoded = encode_prompts(run, prompts, tokenizer)
-    engine = EngineSpec.of_run(run, derive_seed(cfg.run.seed, "eval")).batch_engine()
+    engine = build_engine(EngineSpec.of_run(run, derive_seed(cfg.run.seed, "eval")))
     tool_task = ToolTask(cfg, tokenizer) if cfg.env.tools else None
     return Evaluator(run, engine, encoded, scorer, tool_task)
 

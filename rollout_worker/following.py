@@ -20,7 +20,7 @@ from buffer.layout import RunLayout
 from buffer.localcache import NodeCache
 from buffer.records import RecordError, TrainerStatus
 from buffer.weights import WeightsError, latest_version, published_versions
-from rollout_worker.engines.base import Engine, EngineError, StreamingEngine
+from rollout_worker.engines.base import EngineError, WeightLoader
 
 log = logging.getLogger("shardrl.rollout")
 
@@ -41,7 +41,7 @@ class WeightFollower:
     def __init__(
         self,
         layout: RunLayout,
-        engine: Engine | StreamingEngine,
+        load: WeightLoader,
         *,
         name: str,
         poll_s: float,
@@ -51,7 +51,7 @@ class WeightFollower:
         on_error: Callable[[str], None],
     ):
         self.layout = layout
-        self.engine = engine
+        self.load = load  # hands the engine a materialised version (engines.base.weight_loader)
         self.name = name
         self.poll_s = poll_s
         self.max_staleness = max_staleness
@@ -146,11 +146,7 @@ class WeightFollower:
             local_s = time.monotonic() - started
             self.report(state="reloading")
             start = time.monotonic()
-            engine: Any = self.engine
-            if hasattr(engine, "update_weights"):  # a streaming engine keeps its requests going
-                engine.update_weights(wv.path, version)
-            else:
-                engine.load_weights(wv.path)
+            self.load(wv.path, version)
         except (WeightsError, EngineError) as e:
             self._skip(version, e)
             return False

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,8 @@ from buffer.records import RecordError
 from buffer.run import Run, open_run
 from buffer.shards import ShardWriter, new_incarnation
 from rollout_worker.admission import Admission, View
-from rollout_worker.engines import resolve_kind
-from rollout_worker.engines.spec import EngineSpec
+from rollout_worker.engines import EngineSpec, build, resolve_kind
+from rollout_worker.engines.base import weight_loader
 from rollout_worker.envs import EPISODE_COUNTERS
 from rollout_worker.following import WeightFollower
 from rollout_worker.lifecycle import (
@@ -292,7 +293,7 @@ class RolloutWorker:
         log.info("%s: %s engine up in %.1fs on %s", self.worker_id, kind, time.monotonic() - start, _device())
         self.weights = WeightFollower(
             self.layout,
-            self.engine,
+            weight_loader(self.engine, cfg.rollout.streaming),
             name=self.worker_id,
             poll_s=cfg.rollout.weights_poll_s,
             max_staleness=cfg.rollout.max_staleness,
@@ -305,8 +306,11 @@ class RolloutWorker:
         self.life.phase = "running"
 
     def _engine(self) -> Any:
-        spec = EngineSpec.of_run(self.run, derive_seed(self.cfg.run.seed, "engine", self.slot))
-        return spec.build(streaming=self.cfg.rollout.streaming, max_batch_size=max_in_flight(self.cfg))
+        seed, streaming = derive_seed(self.cfg.run.seed, "engine", self.slot), self.cfg.rollout.streaming
+        spec = EngineSpec.of_run(self.run, seed)
+        if streaming:  # the transformers streaming engine decodes as many rows as may be in flight
+            spec = replace(spec, max_batch_size=max_in_flight(self.cfg))
+        return build(spec, streaming=streaming)
 
     def _length_draw(self) -> LengthDraw | None:
         """``rollout.sampling.lengths = "loguniform"``: each sample's own length (benchmarks)."""

@@ -1,23 +1,29 @@
 """Generation engines behind one small interface (``base.Engine``): vLLM, or plain transformers as the fallback.
 
-``make_engine`` is the only constructor the rollout worker uses.  Importing this package imports neither torch nor
-vLLM; the chosen engine imports its library when it is built.
+Every engine is built from one ``EngineSpec`` (``build``; ``make_engine`` takes its fields as keywords).  Importing
+this package imports neither torch nor vLLM; the chosen engine imports its library when it is built.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rollout_worker.engines.base import Completion, Engine, EngineError, SamplingSpec, StreamingEngine
+from rollout_worker.engines.spec import EngineSpec
 
 __all__ = [
     "Completion",
     "Engine",
     "EngineError",
+    "EngineSpec",
     "SamplingSpec",
     "StreamingEngine",
+    "build",
+    "build_engine",
+    "build_streaming_engine",
     "make_engine",
     "make_streaming_engine",
     "resolve_kind",
@@ -37,73 +43,43 @@ def resolve_kind(kind: str) -> str:
     return kind
 
 
-def make_engine(
-    kind: str,
-    model_dir: Path,
-    *,
-    dtype: str = "float32",
-    seed: int = 0,
-    max_model_len: int = 2048,
-    vllm_options: dict[str, Any] | None = None,
-    lora_rank: int = 0,
-) -> Engine:
-    """Build the engine of ``kind`` ("vllm" | "hf" | "auto") on the HF model in ``model_dir``.
+def make_engine(kind: str, model_dir: Path, **spec: Any) -> Engine:
+    """The batch engine of ``kind`` ("vllm" | "hf" | "auto") on the HF model in ``model_dir``; ``spec``: the other
+    ``EngineSpec`` fields."""
+    return build_engine(EngineSpec(kind, Path(model_dir), **_options(spec)))
 
-    ``vllm_options`` are ``vllm.LLM`` arguments (``None`` values mean vLLM's default) plus ``cpu_kvcache_space_gib``
-    and ``cpu_threads_bind``; the transformers engine ignores them.  ``lora_rank`` > 0 (``model.lora.rank``): the
-    engine serves LoRA adapters of at most that rank on its base (``base.plan_load``).
-    """
-    kind = resolve_kind(kind)
-    if kind == "vllm":
+
+def make_streaming_engine(kind: str, model_dir: Path, **spec: Any) -> StreamingEngine:
+    """The streaming engine of ``kind`` (``rollout.streaming``): requests one at a time, weights updated in flight."""
+    return build_streaming_engine(EngineSpec(kind, Path(model_dir), **_options(spec)))
+
+
+def _options(spec: dict[str, Any]) -> dict[str, Any]:
+    return spec | {"vllm_options": spec.get("vllm_options") or {}}
+
+
+def build(spec: EngineSpec, *, streaming: bool) -> Engine | StreamingEngine:
+    """The streaming engine (``rollout.streaming``) or the batch one."""
+    return build_streaming_engine(spec) if streaming else build_engine(spec)
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    spec = replace(spec, kind=resolve_kind(spec.kind))
+    if spec.kind == "vllm":
         from rollout_worker.engines.vllm import VllmEngine
 
-        return VllmEngine(
-            model_dir,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            options=vllm_options,
-            lora_rank=lora_rank,
-        )
+        return VllmEngine(spec)
     from rollout_worker.engines.hf import HFEngine
 
-    return HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, lora_rank=lora_rank)
+    return HFEngine(spec)
 
 
-def make_streaming_engine(
-    kind: str,
-    model_dir: Path,
-    *,
-    dtype: str = "float32",
-    seed: int = 0,
-    max_model_len: int = 2048,
-    vllm_options: dict[str, Any] | None = None,
-    lora_rank: int = 0,
-    max_batch_size: int = 256,
-) -> StreamingEngine:
-    """The streaming engine of ``kind`` (``rollout.streaming``): requests one at a time, weights updated in flight.
-
-    ``max_batch_size``: the transformers engine's rows decoded together (vLLM schedules by its own
-    ``max_num_seqs``)."""
-    kind = resolve_kind(kind)
-    if kind == "vllm":
+def build_streaming_engine(spec: EngineSpec) -> StreamingEngine:
+    spec = replace(spec, kind=resolve_kind(spec.kind))
+    if spec.kind == "vllm":
         from rollout_worker.engines.vllm_stream import StreamingVllmEngine
 
-        return StreamingVllmEngine(
-            model_dir,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            options=vllm_options,
-            lora_rank=lora_rank,
-        )
+        return StreamingVllmEngine(spec)
     from rollout_worker.engines.hf_stream import StreamingHFEngine
 
-    return StreamingHFEngine(
-        model_dir,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=max_model_len,
-        lora_rank=lora_rank,
-        max_batch_size=max_batch_size,
-    )
+    return StreamingHFEngine(spec)

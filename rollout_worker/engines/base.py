@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from buffer.deltas import DELTA_RECORD
 from buffer.records import RecordError
@@ -106,6 +107,18 @@ class StreamingEngine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def close(self) -> None: ...
+
+
+# How a worker hands its engine a new version: a materialised weights directory and the version it is.
+WeightLoader = Callable[[Path, int], None]
+
+
+def weight_loader(engine: Engine | StreamingEngine, streaming: bool) -> WeightLoader:
+    """``streaming``: the engine keeps its requests going across the update; otherwise it loads between calls."""
+    if streaming:
+        return cast(StreamingEngine, engine).update_weights
+    batch = cast(Engine, engine)
+    return lambda weights_dir, _version: batch.load_weights(weights_dir)
 
 
 @dataclass
@@ -219,14 +232,17 @@ def plan_load(weights_dir: Path, *, lora_rank: int, base_sha256: str | None, bas
 
     A published version says what it holds in its manifest; a directory without one (made by hand, a benchmark) is
     an adapter when it holds ``adapter_config.json``, and has no base fingerprint to check.  A delta version of the
-    run directory (a caller that did not go through the node-local cache) is rebuilt there first, and the plan
-    loads that copy.
+    run directory is refused: an engine is handed whole weights, and rebuilding a delta is the node-local cache's
+    job (``buffer.localcache.NodeCache.materialise``, which the worker's weight follower calls), done once per node.
     """
     weights_dir = Path(weights_dir)
     if not weights_dir.is_dir():
         raise EngineError(f"{weights_dir}: weights directory not found")
     if (weights_dir / DELTA_RECORD).is_file():
-        weights_dir = _rebuilt(weights_dir)
+        raise EngineError(
+            f"{weights_dir}: a delta version (it holds {DELTA_RECORD}); an engine loads whole weights: "
+            "load the node-local copy that buffer.localcache.NodeCache.materialise rebuilds from it"
+        )
     adapter: Path | None = weights_dir if (weights_dir / ADAPTER_CONFIG).is_file() else None
     full = adapter is None
     trained_on: str | None = None
@@ -257,18 +273,6 @@ def plan_load(weights_dir: Path, *, lora_rank: int, base_sha256: str | None, bas
         )
     adapter_rank(adapter, lora_rank)
     return LoadPlan("adapter", adapter)
-
-
-def _rebuilt(delta_dir: Path) -> Path:
-    """The node-local full copy of the delta version ``delta_dir`` (``RUN/weights/vXXXXXX``)."""
-    from buffer.layout import RunLayout
-    from buffer.localcache import NodeCache
-
-    try:
-        version = read_manifest(delta_dir).version
-        return NodeCache.of_run(RunLayout.of(delta_dir.parent.parent)).materialise(version).path
-    except (RecordError, WeightsError) as e:
-        raise EngineError(str(e)) from None
 
 
 def adapter_rank(adapter_dir: Path, max_rank: int) -> int:

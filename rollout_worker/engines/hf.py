@@ -28,6 +28,7 @@ from rollout_worker.engines.base import (
     safetensors_files,
 )
 from rollout_worker.engines.ragged_attention import sdpa_backends
+from rollout_worker.engines.spec import EngineSpec
 
 if TYPE_CHECKING:
     import torch
@@ -71,17 +72,9 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 class HFEngine:
     """The ``Engine`` interface on a transformers causal LM, on the GPU when one is visible, else the CPU."""
 
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int = 2048,
-        device: str | None = None,
-        max_batch_size: int = 256,
-        lora_rank: int = 0,
-    ) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
+        model_dir, dtype, seed, max_model_len = spec.model_dir, spec.dtype, spec.seed, spec.max_model_len
+        device, max_batch_size, lora_rank = spec.device, spec.max_batch_size, spec.lora_rank
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

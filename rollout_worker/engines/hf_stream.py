@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ from rollout_worker.engines.base import (
 )
 from rollout_worker.engines.hf import HFEngine, process_logits
 from rollout_worker.engines.ragged_attention import decode_mask, install, prefill_mask
+from rollout_worker.engines.spec import EngineSpec
 
 if TYPE_CHECKING:
     import torch
@@ -96,25 +97,16 @@ class _Row:
 class StreamingHFEngine:
     """The ``StreamingEngine`` interface on a transformers causal LM (``HFEngine`` holds the model)."""
 
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int = 2048,
-        device: str | None = None,
-        max_batch_size: int = 256,
-        lora_rank: int = 0,
-    ) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
+        seed, max_model_len, max_batch_size = spec.seed, spec.max_model_len, spec.max_batch_size
         import torch
 
-        if lora_rank > 0:
+        if spec.lora_rank > 0:
             raise EngineError(
                 "rollout.streaming: LoRA adapters are served by the batch engine only; "
                 "set rollout.streaming = false or model.lora.rank = 0"
             )
-        self.hf = HFEngine(model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len, device=device)
+        self.hf = HFEngine(replace(spec, lora_rank=0))
         install(self.hf.model)
         self.model_dir = self.hf.model_dir
         self.max_model_len = max_model_len

@@ -1,5 +1,6 @@
-"""``EngineSpec``: how a process's engine is built, decided once from the run (kind, dtype, context, vLLM options,
-LoRA rank), so the worker and the evaluator build theirs the same way."""
+"""``EngineSpec``: how one engine is built, the one argument every engine and factory takes; ``of_run`` decides it
+once from the run (kind, dtype, context, vLLM options, LoRA rank), so the worker and the evaluator build theirs the
+same way."""
 
 from __future__ import annotations
 
@@ -9,23 +10,27 @@ from typing import Any
 
 from buffer.config import resolve_dtype
 from buffer.run import Run
-from rollout_worker.engines import make_engine, make_streaming_engine, resolve_kind
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    kind: str  # "vllm" | "hf", resolved
+    kind: str  # "vllm" | "hf" | "auto" (the factories resolve it)
     model_dir: Path
-    dtype: str
-    seed: int
-    max_model_len: int
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int = 2048
+    # vllm.LLM arguments (None values: vLLM's default) plus cpu_kvcache_space_gib and cpu_threads_bind
     vllm_options: dict[str, Any] = field(default_factory=dict)
-    lora_rank: int = 0
+    lora_rank: int = 0  # > 0: serve LoRA adapters of at most this rank on the base (base.plan_load)
+    max_batch_size: int = 256  # transformers engines: rows decoded together (vLLM has its own max_num_seqs)
+    device: str | None = None  # transformers engines: None = CUDA where visible
 
     @classmethod
     def of_run(cls, run: Run, seed: int) -> EngineSpec:
         """The run's engine for this process: ``model.dtype = "auto"`` resolves here (bf16 where CUDA is visible)."""
         import torch
+
+        from rollout_worker.engines import resolve_kind
 
         cfg = run.config
         vllm = cfg.rollout.vllm  # None when this process runs the hf engine
@@ -37,25 +42,4 @@ class EngineSpec:
             max_model_len=cfg.context_length(),
             vllm_options=vllm.model_dump(exclude={"max_model_len"}) if vllm is not None else {},
             lora_rank=cfg.model.lora.rank,
-        )
-
-    def _common(self) -> dict[str, Any]:
-        return dict(
-            dtype=self.dtype,
-            seed=self.seed,
-            max_model_len=self.max_model_len,
-            vllm_options=self.vllm_options,
-            lora_rank=self.lora_rank,
-        )
-
-    def build(self, *, streaming: bool, max_batch_size: int) -> Any:
-        """The streaming engine (``rollout.streaming``) or the batch one."""
-        return self.streaming_engine(max_batch_size) if streaming else self.batch_engine()
-
-    def batch_engine(self) -> Any:
-        return make_engine(self.kind, self.model_dir, **self._common())
-
-    def streaming_engine(self, max_batch_size: int) -> Any:
-        return make_streaming_engine(
-            self.kind, self.model_dir, max_batch_size=max_batch_size, **self._common()
         )

@@ -44,6 +44,7 @@ from rollout_worker.engines.base import (
     safetensors_files,
     sample_seed,
 )
+from rollout_worker.engines.spec import EngineSpec
 
 EXTENSION = f"{__name__}.WorkerExtension"
 # Options that are not vllm.LLM arguments.
@@ -203,16 +204,9 @@ def llm_kwargs(
 class VllmEngine:
     """The ``Engine`` interface on ``vllm.LLM``."""
 
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int = 2048,
-        options: dict[str, Any] | None = None,
-        lora_rank: int = 0,
-    ) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
+        model_dir, dtype, seed, max_model_len = spec.model_dir, spec.dtype, spec.seed, spec.max_model_len
+        options, lora_rank = spec.vllm_options, spec.lora_rank
         model_dir = require_model_dir(Path(model_dir))
         options = dict(options or {})
         configure_env(options)

@@ -40,6 +40,7 @@ from rollout_worker.engines.base import (
     require_model_dir,
     safetensors_files,
 )
+from rollout_worker.engines.spec import EngineSpec
 from rollout_worker.engines.vllm import (
     EngineDied,
     _is_engine_death,
@@ -60,16 +61,9 @@ START_TIMEOUT_S = 1800.0
 class StreamingVllmEngine:
     """The ``StreamingEngine`` interface on ``AsyncLLM``."""
 
-    def __init__(
-        self,
-        model_dir: Path,
-        *,
-        dtype: str = "float32",
-        seed: int = 0,
-        max_model_len: int = 2048,
-        options: dict[str, Any] | None = None,
-        lora_rank: int = 0,
-    ) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
+        model_dir, dtype, seed, max_model_len = spec.model_dir, spec.dtype, spec.seed, spec.max_model_len
+        options, lora_rank = spec.vllm_options, spec.lora_rank
         if lora_rank > 0:
             raise EngineError(
                 "rollout.streaming: LoRA adapters are served by the batch engine only; "

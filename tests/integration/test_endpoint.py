@@ -20,6 +20,7 @@ from buffer.config import ShardRLConfig
 from rollout_worker.engines.base import Completion, SamplingSpec
 from rollout_worker.engines.completer import Batcher
 from rollout_worker.engines.hf import HFEngine
+from rollout_worker.engines.spec import EngineSpec
 from rollout_worker.envs.agent import AgentTask
 from rollout_worker.envs.calls import Split, split_calls
 from rollout_worker.envs.endpoint import ChatEndpoint
@@ -38,7 +39,7 @@ TOL = 1e-4  # the same float32 model, with and without a KV cache
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_untied: Path) -> Iterator[HFEngine]:
-    e = HFEngine(tiny_model_untied, dtype="float32", seed=0, max_model_len=512, device="cpu")
+    e = HFEngine(EngineSpec("hf", tiny_model_untied, max_model_len=512, device="cpu"))
     yield e
     e.close()
 

@@ -25,6 +25,7 @@ from buffer import shards
 from buffer.config import VERIFIERS_REWARD, ConfigError, ShardRLConfig
 from rollout_worker.engines.base import Completion, SamplingSpec
 from rollout_worker.engines.hf import HFEngine
+from rollout_worker.engines.spec import EngineSpec
 from rollout_worker.envs.endpoint import Complete
 from rollout_worker.envs.episode import ChatRenderer
 from rollout_worker.envs.verifiers_env import (
@@ -65,7 +66,7 @@ def envs_importable() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_untied: Path) -> Iterator[HFEngine]:
-    e = HFEngine(tiny_model_untied, dtype="float32", seed=0, max_model_len=512, device="cpu")
+    e = HFEngine(EngineSpec("hf", tiny_model_untied, max_model_len=512, device="cpu"))
     yield e
     e.close()
 

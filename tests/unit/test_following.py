@@ -20,7 +20,7 @@ from rollout_worker.following import WeightFollower
 def _follower(layout: RunLayout, max_staleness: int, publish_every: int = 1) -> WeightFollower:
     f = WeightFollower(
         layout,
-        engine=None,  # type: ignore[arg-type]  # admission never touches the engine
+        load=lambda path, version: None,  # admission never loads weights
         name="w0",
         poll_s=1.0,
         max_staleness=max_staleness,

@@ -140,3 +140,13 @@ def test_what_an_engine_does_with_each_kind_of_version(tmp_path: Path) -> None:
     assert plan_load(handmade, **lora).what == "adapter"
     manifest = json.loads((adapter / weights.MANIFEST).read_text())
     assert (manifest["kind"], manifest["adapter"], manifest["base_sha256"]) == ("adapter", ".", sha)
+
+
+def test_plan_load_refuses_a_delta_version_in_one_line(tmp_path: Path) -> None:
+    from buffer.deltas import DELTA_RECORD
+
+    delta = tmp_path / "v000002"
+    delta.mkdir()
+    (delta / DELTA_RECORD).write_text("{}")
+    with pytest.raises(EngineError, match=r"v000002: a delta version .*NodeCache\.materialise"):
+        plan_load(delta, lora_rank=0, base_sha256=None, base_dir=tmp_path)
