@@ -6,13 +6,12 @@ this package imports neither torch nor vLLM; the chosen engine imports its libra
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rollout_worker.engines.base import Completion, Engine, EngineError, SamplingSpec, StreamingEngine
-from rollout_worker.engines.spec import EngineSpec
+from rollout_worker.engines.spec import EngineSpec, resolve_kind
 
 __all__ = [
     "Completion",
@@ -28,19 +27,6 @@ __all__ = [
     "make_streaming_engine",
     "resolve_kind",
 ]
-
-KINDS = ("auto", "vllm", "hf")
-
-
-def resolve_kind(kind: str) -> str:
-    """``auto`` -> ``vllm`` where vLLM is installed, else ``hf``; other kinds are checked and returned."""
-    if kind not in KINDS:
-        raise EngineError(f"rollout.engine: {kind!r} is not one of {', '.join(KINDS)}")
-    if kind == "auto":
-        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise EngineError("rollout.engine: 'vllm' is not installed here; use 'hf' or 'auto'")
-    return kind
 
 
 def make_engine(kind: str, model_dir: Path, **spec: Any) -> Engine:

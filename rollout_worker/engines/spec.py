@@ -4,12 +4,27 @@ same way."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from buffer.config import resolve_dtype
 from buffer.run import Run
+from rollout_worker.engines.base import EngineError
+
+KINDS = ("auto", "vllm", "hf")
+
+
+def resolve_kind(kind: str) -> str:
+    """``auto`` -> ``vllm`` where vLLM is installed, else ``hf``; other kinds are checked and returned."""
+    if kind not in KINDS:
+        raise EngineError(f"rollout.engine: {kind!r} is not one of {', '.join(KINDS)}")
+    if kind == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise EngineError("rollout.engine: 'vllm' is not installed here; use 'hf' or 'auto'")
+    return kind
 
 
 @dataclass(frozen=True)
@@ -29,8 +44,6 @@ class EngineSpec:
     def of_run(cls, run: Run, seed: int) -> EngineSpec:
         """The run's engine for this process: ``model.dtype = "auto"`` resolves here (bf16 where CUDA is visible)."""
         import torch
-
-        from rollout_worker.engines import resolve_kind
 
         cfg = run.config
         vllm = cfg.rollout.vllm  # None when this process runs the hf engine
