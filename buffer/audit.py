@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .buckets import ShardName
 from .heartbeats import load_workers
 from .layout import RunLayout
 from .plans import add_range, count_rows, valid_plans, writer_seq
@@ -69,10 +70,8 @@ class Ledger:
 
 
 def _rows_of(name: str) -> int | None:
-    parts = name.split(".")
-    return (
-        int(parts[4][1:]) if len(parts) == 7 and parts[4].startswith("n") and parts[4][1:].isdigit() else None
-    )
+    shard = ShardName.parse(name)
+    return None if shard is None else shard.rows
 
 
 def _names(directory: str) -> list[str]:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .buckets import ShardName
 from .fsio import HOST, claim_next, make_dirs
 from .layout import PLAN_BUCKET_STEPS, RunLayout
 from .records import (
@@ -216,14 +217,13 @@ def covers(ranges: Iterable[list[int]], n: int) -> bool:
 def writer_seq(text: str) -> tuple[str, int] | None:
     """``("worker.incarnation", seq)`` of a shard's name (``bBBBBBBBBB.W.I.SSSSSS.nN.CRC.arrow``) or of one of its
     writer's sample ids (``W.I.SEQ.ROW``); None for anything else (sample ids a caller chose, other names)."""
+    shard = ShardName.parse(text)
+    if shard is not None:
+        return f"{shard.worker_id}.{shard.incarnation}", shard.seq
     parts = text.split(".")
-    if len(parts) == 7 and parts[0].startswith("b") and parts[-1] == "arrow":
-        worker, incarnation, seq = parts[1], parts[2], parts[3]
-    elif len(parts) == 4:
-        worker, incarnation, seq = parts[0], parts[1], parts[2]
-    else:
+    if len(parts) != 4 or not parts[2].isdigit():
         return None
-    return (f"{worker}.{incarnation}", int(seq)) if seq.isdigit() else None
+    return f"{parts[0]}.{parts[1]}", int(parts[2])
 
 
 def count_rows(ranges: Iterable[list[int]]) -> int:

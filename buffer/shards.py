@@ -1,20 +1,11 @@
-"""Experience shards: publishing (ShardWriter) and validated reading (read_shard / quarantine).
+"""Experience shards: validated reading (read_shard / load_or_quarantine / quarantine), and the one import for the
+rest of the contract: shard names and buckets (``buffer/buckets.py``) and publishing (``buffer/shard_writer.py``).
 
-A shard is an Arrow IPC *file* (its footer makes every truncation detectable) published as
-tmp -> fsync -> rename into ``shards/ready`` -> fsync dir, so a reader never sees a partial shard.  Arrow has no
-checksum of its own, so the CRC-32 of the whole file is part of the shard's name: a flipped byte anywhere fails
-validation.  (CRC-32 detects every error burst up to 32 bits with certainty and runs at several GB/s, which keeps
-validation off the trainer's critical path; the threat is storage corruption, not an adversary.)
-
-Shard names ``b<bucket>.<worker>.<incarnation>.<seq>.n<rows>.<crc32>.arrow`` never collide: the incarnation is
-random per process start, so a requeued Slurm job cannot reuse a name.  The row count in the name lets the backlog be
-counted from a directory listing without opening files.
-
-Buckets.  A shard is published into ``shards/ready/b<bucket>/``, the bucket being the publisher's wall clock at the
-rename divided by ``layout.BUCKET_S``.  Once a bucket is ``sealed`` (its time is past by more than SEAL_GRACE_S, which
-covers clock skew between nodes and a slow rename) no shard can appear in it any more, so its listing can be kept;
-only the last few buckets are listed again at each poll, whatever the run's length.  Nothing is ever moved between
-buckets, so no process (not even a fenced-out trainer) can hide samples from another.
+A shard is an Arrow IPC *file* (its footer makes every truncation detectable).  Arrow has no checksum of its own, so
+the CRC-32 of the whole file is part of the shard's name: a flipped byte anywhere fails validation.  (CRC-32 detects
+every error burst up to 32 bits with certainty and runs at several GB/s, which keeps validation off the trainer's
+critical path; the threat is storage corruption, not an adversary.)  Nothing is ever moved between buckets, so no
+process (not even a fenced-out trainer) can hide samples from another.
 
 Reading tells storage from content.  A shard is read into memory with ``read()`` (never memory-mapped: a failed
 page-in of a mapped file is SIGBUS, which kills the reader instead of raising), so an I/O error is an OSError naming
@@ -26,346 +17,78 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import stat
-import threading
 import time
-import uuid
 import zlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
+from .buckets import (
+    SCAN_LIMIT,
+    SEAL_GRACE_S,
+    SUFFIX,
+    BucketLister,
+    ShardError,
+    ShardName,
+    bucket_at,
+    first_bucket,
+    list_bucket,
+    list_ready,
+    new_incarnation,
+    ready_buckets,
+    ready_sample_count,
+    sealed,
+)
 from .fsio import (
-    create_file,
     fsync_dir,
-    make_dirs,
     named,
     read_json_or_none,
     retry_transient,
-    tmp_name,
     write_json_atomic,
 )
-from .layout import BUCKET_S, RunLayout
+from .layout import RunLayout
 from .schema import (
     LOGPROB_TOLERANCE,
     META_RUN_ID,
-    OPTIONAL_NAMES,
-    REQUIRED_NAMES,
     multiturn_problem,
     schema_problem,
-    schema_with_metadata,
     token_versions_problem,
 )
+from .shard_writer import ShardWriter, build_table, publish_shard
 
-SUFFIX = ".arrow"
 # Reads of this size keep the CRC-32 of each piece in the CPU cache, so checking costs about the copy alone.
+__all__ = [
+    "SCAN_LIMIT",
+    "SEAL_GRACE_S",
+    "SUFFIX",
+    "BucketLister",
+    "ShardError",
+    "ShardName",
+    "ShardWriter",
+    "bucket_at",
+    "build_table",
+    "first_bucket",
+    "list_bucket",
+    "list_ready",
+    "load_or_quarantine",
+    "new_incarnation",
+    "publish_shard",
+    "quarantine",
+    "quarantined",
+    "read_shard",
+    "ready_buckets",
+    "ready_sample_count",
+    "run_id_of",
+    "sample_ids",
+    "sealed",
+    "validate_bytes",
+]
+
 READ_CHUNK = 16 << 20
-# A bucket whose time is past by this much takes no new shard: more than any clock skew between nodes plus the time
-# from a publisher's reading of its clock to its rename.
-SEAL_GRACE_S = 300.0
-
-
-def bucket_at(t: float) -> int:
-    return int(t // BUCKET_S)
-
-
-def first_bucket(layout: RunLayout) -> int:
-    """The oldest bucket a shard of this run can be in: its creation time, less the clock skew allowed."""
-    meta = read_json_or_none(layout.run_json)
-    created = meta.get("created_at") if isinstance(meta, dict) else None
-    if not isinstance(created, (int, float)):  # no creation time: the oldest bucket there is
-        return min(ready_buckets(layout), default=bucket_at(time.time() - SEAL_GRACE_S))
-    return max(0, bucket_at(created - SEAL_GRACE_S))
-
-
-def sealed(bucket: int, now: float) -> bool:
-    """Whether no shard can be published into ``bucket`` any more (``now``: this host's wall clock)."""
-    return now > (bucket + 1) * BUCKET_S + SEAL_GRACE_S
-
-
-class ShardError(ValueError):
-    """A shard that failed validation; ``reason`` is the one-line cause recorded in quarantine."""
-
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"{name}: {reason}")
-        self.name = name
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class ShardName:
-    bucket: int
-    worker_id: str
-    incarnation: str
-    seq: int
-    rows: int
-    crc: int
-
-    @property
-    def name(self) -> str:
-        return (
-            f"b{self.bucket:09d}.{self.worker_id}.{self.incarnation}.{self.seq:06d}.n{self.rows}."
-            f"{self.crc:08x}{SUFFIX}"
-        )
-
-    @classmethod
-    def parse(cls, name: str) -> ShardName | None:
-        if not name.endswith(SUFFIX) or name.startswith("."):
-            return None
-        parts = name[: -len(SUFFIX)].split(".")
-        if len(parts) != 6 or not parts[0].startswith("b") or not parts[4].startswith("n"):
-            return None
-        try:
-            return cls(
-                int(parts[0][1:]), parts[1], parts[2], int(parts[3]), int(parts[4][1:]), int(parts[5], 16)
-            )
-        except ValueError:
-            return None
-
-
-def new_incarnation() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def build_table(rows: Sequence[dict[str, Any]], run_id: str, worker_id: str, seq: int) -> pa.Table:
-    """Rows (dicts with the required fields; optional ones may be absent) -> a table with the shard schema."""
-    now = datetime.now(UTC)
-    columns: dict[str, list[Any]] = {name: [] for name in REQUIRED_NAMES + OPTIONAL_NAMES}
-    for r in rows:
-        for name in REQUIRED_NAMES:
-            if name == "created_at":
-                columns[name].append(r.get("created_at", now))
-            elif name == "worker_id":
-                columns[name].append(r.get("worker_id", worker_id))
-            else:
-                columns[name].append(r[name])
-        for name in OPTIONAL_NAMES:
-            columns[name].append(r.get(name))
-    return pa.table(columns, schema=schema_with_metadata(run_id, worker_id, seq))
-
-
-class ShardWriter:
-    """Buffers samples of one worker incarnation and publishes them as shards.
-
-    ``add`` samples, then ``flush`` publishes everything buffered as one shard (never an empty one).
-    Sample ids are filled in (``<worker>.<incarnation>.<seq>.<row>``) when a row has none.
-    """
-
-    def __init__(self, layout: RunLayout, run_id: str, worker_id: str, incarnation: str | None = None):
-        if "." in worker_id or "/" in worker_id:
-            raise ValueError(f"worker id {worker_id!r} must not contain '.' or '/'")
-        self.layout = layout
-        self.run_id = run_id
-        self.worker_id = worker_id
-        self.incarnation = incarnation or new_incarnation()
-        self.seq = 0
-        self.rows: list[dict[str, Any]] = []
-
-    @property
-    def pending(self) -> int:
-        return len(self.rows)
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-
-    def discard(self) -> int:
-        """Drop buffered samples (a drain that abandons a batch publishes nothing partial)."""
-        n, self.rows = len(self.rows), []
-        return n
-
-    def flush(self) -> Path | None:
-        if not self.rows:
-            return None
-        for i, r in enumerate(self.rows):
-            r.setdefault("sample_id", f"{self.worker_id}.{self.incarnation}.{self.seq}.{i}")
-        path = publish_shard(
-            self.layout,
-            build_table(self.rows, self.run_id, self.worker_id, self.seq),
-            self.worker_id,
-            self.incarnation,
-            self.seq,
-        )
-        self.seq += 1
-        self.rows = []
-        return path
-
-
-class _CrcSink:
-    """A write-only file that computes the CRC-32 of what passes through, on a second thread.
-
-    The CRC runs beside the writes (zlib releases the GIL on large buffers), so publishing costs about the write
-    alone; Arrow hands large body buffers over as ``pyarrow.Buffer`` objects, which the queue keeps alive.
-    """
-
-    def __init__(self, f: Any):
-        self.f = f
-        self.closed = False
-        self.crc = 0
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (data := self._queue.get()) is not None:
-            self.crc = zlib.crc32(data, self.crc)
-
-    def write(self, data: Any) -> int:
-        self._queue.put(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def finish(self) -> int:
-        self._queue.put(None)
-        self._thread.join()
-        return self.crc
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def publish_shard(layout: RunLayout, table: pa.Table, worker_id: str, incarnation: str, seq: int) -> Path:
-    """Write ``table`` as a shard: tmp file, fsync, rename into ready/ (named by its CRC-32), fsync ready/.
-
-    A transient error (an EIO from a flaky target) writes the whole shard again under a new temporary; a
-    persistent one, and ENOSPC, is raised naming the temporary, which is removed first.  A rename retried after a
-    retransmitted RENAME succeeded only replaces the shard with the same bytes under the same name.
-    """
-    final = retry_transient(lambda: _publish_once(layout, table, worker_id, incarnation, seq))
-    fsync_dir(final.parent)
-    return final
-
-
-def _publish_once(layout: RunLayout, table: pa.Table, worker_id: str, incarnation: str, seq: int) -> Path:
-    tmp = tmp_name(layout.shards_tmp / f"{worker_id}.{incarnation}.{seq:06d}{SUFFIX}")
-    try:
-        with open(create_file(tmp), "wb") as f:
-            sink = _CrcSink(f)
-            try:
-                with ipc.new_file(pa.PythonFile(sink, mode="w"), table.schema) as writer:
-                    writer.write_table(table)
-            finally:
-                crc = sink.finish()  # also when a write failed: its thread must not wait forever
-            f.flush()
-            os.fsync(f.fileno())
-        # the clock is read right before the rename: the bucket stays open far longer than that takes
-        name = ShardName(bucket_at(time.time()), worker_id, incarnation, seq, table.num_rows, crc).name
-        final = layout.ready_shard(name)
-        _ensure_bucket(final.parent)
-        try:
-            os.rename(tmp, final)
-        except FileNotFoundError:  # the bucket removed since this process made it (an empty one, by a person)
-            _made_buckets.discard(final.parent)
-            _ensure_bucket(final.parent)
-            os.rename(tmp, final)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        if isinstance(e, OSError):
-            raise named(e, tmp) from None
-        raise
-    return final
-
-
-_made_buckets: set[Path] = set()
-
-
-def _ensure_bucket(path: Path) -> None:
-    """The bucket directory, made once per process (a publisher writes many shards into each)."""
-    if path not in _made_buckets:
-        make_dirs(path)
-        _made_buckets.add(path)
-
-
-def ready_buckets(layout: RunLayout) -> list[int]:
-    """Every bucket of ready/ (a listing of the top level: for checks and tools, not for polls)."""
-    try:
-        names = os.listdir(layout.shards_ready)
-    except FileNotFoundError:
-        return []
-    return sorted(int(n[1:]) for n in names if n.startswith("b") and n[1:].isdigit())
-
-
-def list_bucket(layout: RunLayout, bucket: int) -> list[ShardName]:
-    """Complete shards of one bucket; foreign files are ignored, and so is a shard whose name says another bucket."""
-    try:
-        names = os.listdir(layout.ready_bucket(bucket))
-    except FileNotFoundError:
-        return []
-    return [s for n in names if (s := ShardName.parse(n)) is not None and s.bucket == bucket]
-
-
-def list_ready(layout: RunLayout, buckets: Iterable[int] | None = None) -> list[ShardName]:
-    """Complete shards in ready/ (of ``buckets``, or of every bucket), oldest sequence first per worker."""
-    chosen = ready_buckets(layout) if buckets is None else buckets
-    parsed = [s for b in chosen for s in list_bucket(layout, b)]
-    return sorted(parsed, key=lambda s: (s.worker_id, s.incarnation, s.seq))
-
-
-SCAN_LIMIT = (
-    64  # buckets: past this many, ``BucketLister`` lists the top level instead of looking each one up
-)
-
-
-class BucketLister:
-    """Lists the ready buckets from ``first`` on, again and again, keeping the listing of every sealed bucket.
-
-    A poll costs one listing per bucket that can still change (the last ``SEAL_GRACE_S / BUCKET_S + 2`` or so),
-    whatever the run's length.  ``first`` only moves forward (``advance``): buckets before it hold nothing unconsumed.
-    Safe to share between threads.
-    """
-
-    def __init__(self, layout: RunLayout, first: int):
-        self.layout = layout
-        self.first = first
-        self._sealed: dict[int, list[ShardName]] = {}
-        self._lock = threading.Lock()
-
-    def advance(self, first: int) -> None:
-        with self._lock:
-            if first > self.first:
-                self.first = first
-                for b in [b for b in self._sealed if b < first]:
-                    del self._sealed[b]
-
-    def forget(self, name: str) -> None:
-        """A shard moved out of ready/ (quarantined): drop it from the kept listings."""
-        parsed = ShardName.parse(name)
-        with self._lock:
-            if parsed is not None and parsed.bucket in self._sealed:
-                self._sealed[parsed.bucket] = [s for s in self._sealed[parsed.bucket] if s.name != name]
-
-    def list(self, now: float | None = None) -> list[ShardName]:
-        now = time.time() if now is None else now
-        with self._lock:
-            first = self.first
-        out: list[ShardName] = []
-        last = bucket_at(now) + 1  # +1: a publisher whose clock runs ahead of ours
-        if last - first > SCAN_LIMIT:
-            # far behind (a trainer catching up on hours of shards): one listing of the top level finds the
-            # buckets that exist, instead of a lookup per bucket of every minute since
-            chosen = [b for b in ready_buckets(self.layout) if first <= b <= last]
-        else:
-            chosen = list(range(first, last + 1))
-        for b in chosen:
-            with self._lock:
-                kept = self._sealed.get(b)
-            if kept is None:
-                kept = list_bucket(self.layout, b)
-                if sealed(b, now):
-                    with self._lock:
-                        self._sealed[b] = kept
-            out.extend(kept)
-        return sorted(out, key=lambda s: (s.worker_id, s.incarnation, s.seq))
 
 
 def _read_file(path: Path) -> tuple[pa.Buffer, int]:
@@ -546,7 +269,3 @@ def sample_ids(layout: RunLayout, name: str) -> list[str]:
     """Just the sample ids of a ready shard (not validated)."""
     data, _ = retry_transient(lambda: _read_named(layout.ready_shard(name)))
     return ipc.open_file(pa.BufferReader(data)).read_all().column("sample_id").to_pylist()
-
-
-def ready_sample_count(shards: Iterable[ShardName]) -> int:
-    return sum(s.rows for s in shards)
