@@ -1,7 +1,7 @@
 """The cost of the shared-storage channel at cluster scale: a run directory built to look like S steps of W
 workers, and the hot paths timed and their file-system calls counted in fresh processes.
 
-    python bench/scale.py [--steps 100 1000 10000] [--workers 512] [--repeat 200]
+    python bench/scale.py [--steps 100 1000 10000] [--workers 512] [--nodes 64] [--repeat 200]
     python bench/scale.py --build DIR --steps 10000 --workers 512      # only build, for real processes to use
 
 The run is written through the project's own writers: real plans (``PlanLog.write_plan``, 16 shards of 64 samples
@@ -14,7 +14,8 @@ Measured, each in a fresh process (the page cache warm, as on a busy node):
 - a worker's check: what a rollout worker does before each batch and about twice a second while paused
   (``rollout_worker.admission.Admission.view`` and a read of ``weights/LATEST``);
 - a trainer's poll: rank 0 looking for a step's samples with none new (``Planner.try_plan``), and one refresh of
-  its feed (``FeedKeeper.refresh``, once a second: it reads each live worker's record, the one O(W) cost);
+  its feed (``FeedKeeper.refresh``, once a second: with ``--nodes N`` it reads N node supervisors' records, each
+  listing W / N workers; without, each live worker's record);
 - a fresh worker's first view, with no live trainer (it counts the backlog itself from the consumption log);
 - a resumed trainer's start-up: claiming an epoch, loading the consumption log, finding the plans to replay; with
   the memory of its consumed-row state.
@@ -100,8 +101,9 @@ def _init(root: Path) -> Run:
     return init_run(root, cfg)
 
 
-def build(root: Path, steps: int, workers: int) -> Path:
-    """A run directory that looks like ``steps`` trained steps of ``workers`` workers; returns its root."""
+def build(root: Path, steps: int, workers: int, nodes: int = 0) -> Path:
+    """A run directory that looks like ``steps`` trained steps of ``workers`` workers (under ``nodes`` node
+    supervisors, worker ``i`` on node ``i % nodes``; 0: none); returns its root."""
     run = _init(root)
     layout = run.layout
     with _no_fsync():
@@ -160,11 +162,30 @@ def build(root: Path, steps: int, workers: int) -> Path:
                 published_samples=SHARD_SAMPLES,
                 weights_version=steps,
             )
+        for n in range(nodes):
+            mine = [i for i in range(workers) if i % nodes == n]
+            heartbeats.supervisor_status(layout, f"node{n}", capacity=len(mine)).update(
+                state="running", slots=mine, desired=workers, workers={str(i): _slot(i, steps) for i in mine}
+            )
         with contextlib.suppress(OSError):  # the template's bucket, when nothing else was published there
             tpath.parent.rmdir()
         _publish_version(run, steps)
         _write_trainer_record(run, log, steps)
     return layout.root
+
+
+def _slot(i: int, steps: int) -> dict[str, Any]:
+    """Worker ``i`` as its supervisor lists it (the copy of its own record that the trainer's feed reads)."""
+    return {
+        "worker_id": f"w{i}",
+        "pid": 10_000 + i,
+        "state": "running",
+        "restarts": 0,
+        "device": "cpu",
+        "incarnation": "now",
+        "in_flight": SHARD_SAMPLES,
+        "published_samples": SHARD_SAMPLES,
+    }
 
 
 def _publish_version(run: Run, version: int) -> None:
@@ -194,6 +215,12 @@ def _keep_trainer_fresh(root: Path) -> None:
     rec = json.loads(path.read_text())
     rec["feed_at"] = rec["updated_at"] = time.time()
     path.write_text(json.dumps(rec))
+    # and the node supervisors' records as live supervisors keep them (each rewritten once a second): a run that
+    # took longer to build than a record's live age would otherwise be read worker by worker
+    for sup in (root / "status" / "supervisors").glob("*.json"):
+        rec = json.loads(sup.read_text())
+        rec["updated_at"] = time.time()
+        sup.write_text(json.dumps(rec))
 
 
 def _stop_trainer(root: Path) -> None:
@@ -211,7 +238,8 @@ def _worker_check(run: Run) -> Callable[[], Any]:
     from rollout_worker.admission import Admission
     from rollout_worker.following import WeightFollower
 
-    adm = Admission(run.layout, "w0", "now", max_age_s=1e9, fallback_every_s=1.0)
+    node = "node0" if run.layout.supervisor_status("node0").exists() else None
+    adm = Admission(run.layout, "w0", "now", max_age_s=1e9, fallback_every_s=1.0, supervisor=node)
     follower = WeightFollower(
         run.layout, None, name="w0", poll_s=1.0, max_staleness=1, report=lambda **_: None, on_error=print
     )  # type: ignore[arg-type]  # no engine: it serves the newest version already, nothing is loaded
@@ -381,7 +409,8 @@ def measure_run(root: Path, repeat: int, strace: bool) -> dict[str, dict[str, fl
 def _files(root: Path) -> dict[str, int]:
     ready = sum(len(os.listdir(root / "shards" / "ready" / b)) for b in os.listdir(root / "shards" / "ready"))
     plan_bytes = sum(p.stat().st_size for p in (root / "plans").glob("s[0-9]*/step-*.json"))
-    return {"shards": ready, "plan_bytes": plan_bytes}
+    record = (root / "status" / "trainer.json").stat().st_size
+    return {"shards": ready, "plan_bytes": plan_bytes, "trainer_record_bytes": record}
 
 
 def main() -> int:
@@ -390,6 +419,7 @@ def main() -> int:
     )
     p.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 10000])
     p.add_argument("--workers", type=int, default=512)
+    p.add_argument("--nodes", type=int, default=0, help="node supervisors the workers run under (0: none)")
     p.add_argument("--repeat", type=int, default=200, help="calls of each hot path in its measuring process")
     p.add_argument(
         "--build", type=Path, help="only build the run here (one --steps value), for real processes"
@@ -404,7 +434,7 @@ def main() -> int:
         return 0
     if a.build:
         t0 = time.monotonic()
-        build(a.build, a.steps[0], a.workers)
+        build(a.build, a.steps[0], a.workers, a.nodes)
         print(
             f"built {a.build}: {a.steps[0]} steps, {a.workers} workers, {_files(a.build)} in {time.monotonic() - t0:.0f}s"
         )
@@ -413,9 +443,9 @@ def main() -> int:
     base = a.dir or Path(tempfile.mkdtemp(prefix="shardrl-scale-"))
     rows: dict[int, dict[str, Any]] = {}
     for steps in a.steps:
-        root = base / f"run-{steps}-{a.workers}"
+        root = base / f"run-{steps}-{a.workers}-{a.nodes}"
         if not (root / "run.json").exists():
-            build(root, steps, a.workers)
+            build(root, steps, a.workers, a.nodes)
         rows[steps] = {"files": _files(root), **measure_run(root, a.repeat, strace)}
         _print_row(steps, a.workers, rows[steps])
     lo, hi = min(rows), max(rows)
@@ -434,7 +464,8 @@ def main() -> int:
 def _print_row(steps: int, workers: int, row: dict[str, Any]) -> None:
     f = row["files"]
     print(
-        f"\n{steps} steps, {workers} workers: {f['shards']} shard files, {f['plan_bytes'] / 1e6:.1f} MB of plans"
+        f"\n{steps} steps, {workers} workers: {f['shards']} shard files, {f['plan_bytes'] / 1e6:.1f} MB of plans, "
+        f"trainer record {f['trainer_record_bytes'] / 1e3:.1f} kB"
     )
     for what in PATHS:
         m = row[what]

@@ -90,14 +90,14 @@ class Listing(Generic[S]):
     problems: list[str] = field(default_factory=list)
 
 
-def _load_dir(directory: Path, kind: type[S]) -> Listing[S]:
+def _load_dir(directory: Path, kind: type[S], skip: frozenset[str] | set[str] = frozenset()) -> Listing[S]:
     out: Listing[S] = Listing()
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
         return out
     for n in names:
-        if not n.endswith(".json") or n.startswith("."):
+        if not n.endswith(".json") or n.startswith(".") or n[: -len(".json")] in skip:
             continue
         try:
             out.records.append(read_record(kind, directory / n, attempts=2))
@@ -108,12 +108,21 @@ def _load_dir(directory: Path, kind: type[S]) -> Listing[S]:
     return out
 
 
-def load_workers(layout: RunLayout) -> Listing[WorkerStatus]:
-    return _load_dir(layout.worker_status_dir, WorkerStatus)
+def load_workers(layout: RunLayout, skip: frozenset[str] | set[str] = frozenset()) -> Listing[WorkerStatus]:
+    """Every worker record, but those of the workers in ``skip`` (their ids), which are not opened."""
+    return _load_dir(layout.worker_status_dir, WorkerStatus, skip)
 
 
 def load_supervisors(layout: RunLayout) -> Listing[SupervisorStatus]:
     return _load_dir(layout.supervisor_status_dir, SupervisorStatus)
+
+
+def load_supervisor(layout: RunLayout, supervisor_id: str) -> SupervisorStatus | None:
+    """One supervisor's record; None when it has none; RecordError when the file is not a valid record."""
+    try:
+        return read_record(SupervisorStatus, layout.supervisor_status(supervisor_id), attempts=2)
+    except FileNotFoundError:
+        return None
 
 
 def load_worker(layout: RunLayout, worker_id: str) -> WorkerStatus | None:

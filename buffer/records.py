@@ -217,6 +217,11 @@ class SupervisedWorker(_Strict):
     state: Literal["running", "draining", "restarting"]
     restarts: int
     device: str
+    # Copied from the worker's own record at each of the supervisor's writes, so that the trainer reads one record
+    # per node instead of one per worker (``trainer/feed.py``); a worker with no live record yet has no incarnation.
+    incarnation: str | None = None
+    in_flight: int = Field(0, ge=0)
+    published_samples: int = Field(0, ge=0)
 
 
 class SupervisorStatus(StatusRecord):
@@ -246,6 +251,15 @@ class FleetEntry(_Strict):
     published_samples: int = Field(ge=0)
 
 
+class NodeEntry(_Strict):
+    """One node's live workers as the trainer last read them from its supervisor's record (``TrainerStatus.nodes``):
+    their ``in_flight`` and ``published_samples`` summed."""
+
+    in_flight: int = Field(ge=0)
+    published_samples: int = Field(ge=0)
+    workers: int = Field(ge=0)
+
+
 class TrainerStatus(StatusRecord):
     """``status/trainer.json``: the trainer's rank 0 (step, published version, the run's backlog counts)."""
 
@@ -269,11 +283,14 @@ class TrainerStatus(StatusRecord):
     # What rollout workers judge by, rewritten about once a second even during a long step (``feed_at``), so that
     # no worker lists the run or reads the others' records: the highest planned step, the oldest shard bucket with
     # unconsumed samples (``open_from``) and the samples consumed from that bucket on (``window_consumed``), and each
-    # live worker's ``in_flight`` and ``published_samples`` read *before* the backlog was counted (``fleet``).
+    # live worker's ``in_flight`` and ``published_samples`` read *before* the backlog was counted: per node
+    # supervisor (``nodes``, from one record per node), and per worker only for workers no live supervisor record
+    # lists (``fleet``: started by hand, or a node whose supervisor is gone), so the record grows with the nodes.
     planned_step: int = 0
     open_from: int | None = None
     window_consumed: int = 0
     fleet: dict[str, FleetEntry] = Field(default_factory=dict)
+    nodes: dict[str, NodeEntry] = Field(default_factory=dict)
     feed_at: float | None = None
 
 

@@ -47,11 +47,11 @@ from typing import Any
 from buffer.config import ShardRLConfig
 from buffer.control import ControlState, ControlWatcher, Leases, all_leases, renew_interval_s
 from buffer.fsio import HOST, read_json_or_none
-from buffer.heartbeats import StatusWriter, supervisor_status, worker_status
+from buffer.heartbeats import StatusWriter, load_worker, supervisor_status, worker_status
 from buffer.layout import RunLayout
 from buffer.logs import logger, setup_logging
 from buffer.procs import signal_group, start_group, stop_groups
-from buffer.records import RecordError
+from buffer.records import LIVE_STATES, RecordError
 from buffer.run import Run
 from buffer.status import read_finished
 from rollout_worker import reconcile as core
@@ -59,6 +59,9 @@ from rollout_worker.engines import resolve_kind
 from rollout_worker.worker import worker_id_for
 
 log = logger("supervisor")
+# How often the node's record is rewritten with its workers' in-flight and published counts (at least every
+# heartbeat): about the trainer's feed refresh, so that relaying them adds at most this much to what it lags by.
+NODE_FEED_S = 1.0
 
 
 # ---------------------------------------------------------------------------------------------- local devices
@@ -480,6 +483,7 @@ class Supervisor:
                 "device": self.devices.gpu_groups[s.local % len(self.devices.gpu_groups)]
                 if self.devices.gpu_groups
                 else "cpu",
+                **self._feed_of(s),
             }
             for s in self.slots.values()
         }
@@ -498,6 +502,23 @@ class Supervisor:
             )
         except OSError as e:  # e.g. a full disk: the error goes into the next record that can be written
             self._trouble("writing the status record failed", e)
+
+    def _feed_of(self, s: Slot) -> dict[str, Any]:
+        """What the trainer's feed needs of this slot's worker, from the record of its current process only (a
+        record left by the process before a restart counts for nothing: its batch died with it)."""
+        if s.proc is None:
+            return {}
+        try:
+            rec = load_worker(self.layout, s.worker_id)
+        except (RecordError, OSError):
+            return {}
+        if rec is None or (rec.pid, rec.host) != (s.proc.pid, HOST) or rec.state not in LIVE_STATES:
+            return {}
+        return {
+            "incarnation": rec.incarnation,
+            "in_flight": rec.in_flight,
+            "published_samples": rec.published_samples,
+        }
 
     # ------------------------------------------------------------------ main loop
 
@@ -518,7 +539,7 @@ class Supervisor:
         )
         self._write_status("starting")
         beat_s = renew_interval_s(r.lease_timeout_s, r.heartbeat_interval_s)
-        next_control = next_beat = 0.0
+        next_control = next_beat = next_feed = 0.0
         try:
             while True:
                 now = time.monotonic()
@@ -531,8 +552,12 @@ class Supervisor:
                         s.kill_at = now
                 if now >= next_beat:
                     self._renew()
-                    self._write_status("draining" if self.stopping else "running")
                     next_beat = now + beat_s
+                if (
+                    now >= next_feed
+                ):  # the node's record, which the trainer's feed reads instead of each worker's
+                    self._write_status("draining" if self.stopping else "running")
+                    next_feed = now + min(beat_s, NODE_FEED_S)
                 if not self.stopping and now >= next_control and self._run_finished():
                     self._begin_shutdown("the run is finished")
                 if not self.stopping and now >= next_control:

@@ -115,6 +115,7 @@ class RolloutWorker:
             self.incarnation,
             max_age_s=IN_FLIGHT_BEATS * hb + CLOCK_SKEW_S,
             fallback_every_s=hb,
+            supervisor=supervisor,
         )
         self.status = worker_status(
             self.layout, worker_id, slot=slot, supervisor=supervisor, incarnation=self.incarnation

@@ -128,15 +128,7 @@ class FeedKeeper:
                 log.warning("feed not refreshed: %s", e)
 
     def refresh(self) -> dict[str, Any]:
-        fleet = {
-            w.id: {
-                "incarnation": w.incarnation,
-                "in_flight": w.in_flight,
-                "published_samples": w.published_samples,
-            }
-            for w in heartbeats.load_workers(self.run.layout).records
-            if w.state in LIVE_STATES and w.age_s() < self.max_age_s
-        }
+        nodes, fleet = self.fleet()
         c = self.planner.count()
         fields = {
             **c.as_counts(),
@@ -144,12 +136,39 @@ class FeedKeeper:
             "open_from": c.open_from,
             "window_consumed": c.window_consumed,
             "fleet": fleet,
+            "nodes": nodes,
             "feed_at": time.time(),
         }
         self.last = fields
         if self.write is not None:
             self.write(fields)
         return fields
+
+    def fleet(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(per node, per worker): each live supervisor's record gives its node's workers summed; only the workers
+        no live supervisor record lists (started by hand, or their supervisor gone) have their own records read.
+        Calls per refresh: a listing and a read per node, then one listing of the workers' records."""
+        layout, nodes, listed = self.run.layout, {}, set()
+        for sup in heartbeats.load_supervisors(layout).records:
+            if sup.state not in LIVE_STATES or sup.age_s() >= self.max_age_s:
+                continue  # its workers, if any still run, are read one by one below
+            live = [w for w in sup.workers.values() if w.incarnation is not None]
+            nodes[sup.id] = {
+                "in_flight": sum(w.in_flight for w in live),
+                "published_samples": sum(w.published_samples for w in live),
+                "workers": len(live),
+            }
+            listed |= {w.worker_id for w in sup.workers.values()}
+        fleet = {
+            w.id: {
+                "incarnation": w.incarnation,
+                "in_flight": w.in_flight,
+                "published_samples": w.published_samples,
+            }
+            for w in heartbeats.load_workers(layout, skip=listed).records
+            if w.state in LIVE_STATES and w.age_s() < self.max_age_s
+        }
+        return nodes, fleet
 
     def close(self) -> None:
         self._stop.set()
