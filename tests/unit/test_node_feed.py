@@ -101,7 +101,11 @@ def test_a_supervisor_copies_only_its_current_processes_records(tmp_path: Path) 
     me: Any = SimpleNamespace(layout=layout)
     current = SimpleNamespace(worker_id="w0", proc=SimpleNamespace(pid=os.getpid()))
     before = SimpleNamespace(worker_id="w0", proc=SimpleNamespace(pid=os.getpid() + 1))
-    assert Supervisor._feed_of(me, current) == {"incarnation": "now", "in_flight": 16, "published_samples": 48}
+    assert Supervisor._feed_of(me, current) == {
+        "incarnation": "now",
+        "in_flight": 16,
+        "published_samples": 48,
+    }
     assert Supervisor._feed_of(me, before) == {}
     assert Supervisor._feed_of(me, SimpleNamespace(worker_id="w0", proc=None)) == {}
 
@@ -131,7 +135,9 @@ def test_a_worker_counts_other_nodes_as_seen_and_its_own_node_as_it_is_now(tmp_p
     assert v.live and v.coming == 100 + since + 4 + others
     assert v.backlog == 100 + since + 4
 
-    layout.supervisor_status("nodeA").unlink()  # our supervisor's record unreadable: the node as the trainer saw it
+    layout.supervisor_status(
+        "nodeA"
+    ).unlink()  # our supervisor's record unreadable: the node as the trainer saw it
     v = adm.view(published=30, pending=4)
     assert v.coming == 100 + 4 + 8 + 32 + 16
 
