@@ -3,6 +3,7 @@ workers, and the hot paths timed and their file-system calls counted in fresh pr
 
     python bench/scale.py [--steps 100 1000 10000] [--workers 512] [--nodes 64] [--repeat 200]
     python bench/scale.py --build DIR --steps 10000 --workers 512      # only build, for real processes to use
+    python bench/scale.py --steps 100 --workers 4096 --nodes 512 --latency-ms 1   # through a slow file system
 
 The run is written through the project's own writers: real plans (``PlanLog.write_plan``, 16 shards of 64 samples
 a step, one step a second of wall clock), their summaries, worker status records, the trainer's record with its feed
@@ -19,7 +20,10 @@ Measured, each in a fresh process (the page cache warm, as on a busy node):
 - a fresh worker's first view, with no live trainer (it counts the backlog itself from the consumption log);
 - a resumed trainer's start-up: claiming an epoch, loading the consumption log, finding the plans to replay; with
   the memory of its consumed-row state.
-File-system calls are counted with ``strace -f -c`` (opens, stats and directory reads), the difference between a
+With ``--latency-ms T`` the run is built on the local disk and measured through the FUSE passthrough of the storage
+tests (``tests/integration/faultfs.py``), which adds T ms to every metadata call (open, create, rename, link,
+unlink, mkdir, getattr, readdir), as a Lustre or NFS round trip would; the kernel's attribute and entry caches are
+off there, so each call reaches it.  File-system calls are counted with ``strace -f -c`` (opens, stats and directory reads), the difference between a
 process that runs the path N times and one that runs it 0 times, divided by N; without strace, by an instrumented
 layer over ``os`` and ``open`` in the measuring process.  Printed: the table for each S, and the ratio of the
 largest S to the smallest.
@@ -215,11 +219,12 @@ def _keep_trainer_fresh(root: Path) -> None:
     rec = json.loads(path.read_text())
     rec["feed_at"] = rec["updated_at"] = time.time()
     path.write_text(json.dumps(rec))
-    # and the node supervisors' records as live supervisors keep them (each rewritten once a second): a run that
-    # took longer to build than a record's live age would otherwise be read worker by worker
+    # and the node supervisors' records as live supervisors keep them (each rewritten once a second), for the whole
+    # measurement: dated an hour ahead, they stay younger than a record's live age however slow the file system,
+    # where the feed would otherwise fall back to reading each worker's record
     for sup in (root / "status" / "supervisors").glob("*.json"):
         rec = json.loads(sup.read_text())
-        rec["updated_at"] = time.time()
+        rec["updated_at"] = time.time() + 3600
         sup.write_text(json.dumps(rec))
 
 
@@ -420,6 +425,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 10000])
     p.add_argument("--workers", type=int, default=512)
     p.add_argument("--nodes", type=int, default=0, help="node supervisors the workers run under (0: none)")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="measure through a FUSE mount adding this to each metadata call",
+    )
     p.add_argument("--repeat", type=int, default=200, help="calls of each hot path in its measuring process")
     p.add_argument(
         "--build", type=Path, help="only build the run here (one --steps value), for real processes"
@@ -442,12 +453,13 @@ def main() -> int:
     strace = shutil.which("strace") is not None and not a.no_strace
     base = a.dir or Path(tempfile.mkdtemp(prefix="shardrl-scale-"))
     rows: dict[int, dict[str, Any]] = {}
-    for steps in a.steps:
-        root = base / f"run-{steps}-{a.workers}-{a.nodes}"
-        if not (root / "run.json").exists():
-            build(root, steps, a.workers, a.nodes)
-        rows[steps] = {"files": _files(root), **measure_run(root, a.repeat, strace)}
-        _print_row(steps, a.workers, rows[steps])
+    with _slow_fs(base, a.latency_ms) as (backing, measured):
+        for steps in a.steps:
+            name = f"run-{steps}-{a.workers}-{a.nodes}"
+            if not (backing / name / "run.json").exists():
+                build(backing / name, steps, a.workers, a.nodes)
+            rows[steps] = {"files": _files(backing / name), **measure_run(measured / name, a.repeat, strace)}
+            _print_row(steps, a.workers, rows[steps])
     lo, hi = min(rows), max(rows)
     print(f"\nratio {hi} / {lo} steps ({'strace' if strace else 'python-level counts'}):")
     for what in PATHS:
@@ -459,6 +471,21 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps({"workers": a.workers, "strace": strace, "rows": rows}, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def _slow_fs(base: Path, latency_ms: float) -> Iterator[tuple[Path, Path]]:
+    """(where runs are built, where they are measured): the same directory, or with a latency a FUSE mount of it."""
+    if latency_ms <= 0:
+        yield base, base
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+    import faultfs  # the storage tests' passthrough file system
+
+    with faultfs.mounted(base / "slowfs") as fs:
+        fs.set({"kind": "latency", "path": "*", "seconds": latency_ms / 1000})
+        print(f"measuring through {fs.mount}: +{latency_ms:g} ms a metadata call", flush=True)
+        yield fs.backing, fs.mount
 
 
 def _print_row(steps: int, workers: int, row: dict[str, Any]) -> None:

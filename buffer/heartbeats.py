@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -90,31 +91,50 @@ class Listing(Generic[S]):
     problems: list[str] = field(default_factory=list)
 
 
-def _load_dir(directory: Path, kind: type[S], skip: frozenset[str] | set[str] = frozenset()) -> Listing[S]:
+def _load_dir(
+    directory: Path, kind: type[S], skip: frozenset[str] | set[str] = frozenset(), threads: int = 1
+) -> Listing[S]:
+    """The records of ``directory``; ``threads`` > 1 reads them that many at a time (on a network file system each
+    read is a round trip or two, which threads overlap)."""
     out: Listing[S] = Listing()
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
         return out
-    for n in names:
-        if not n.endswith(".json") or n.startswith(".") or n[: -len(".json")] in skip:
-            continue
+    paths = [
+        directory / n for n in names if n.endswith(".json") and not n.startswith(".") and n[:-5] not in skip
+    ]
+
+    def one(path: Path) -> S | str | None:
         try:
-            out.records.append(read_record(kind, directory / n, attempts=2))
+            return read_record(kind, path, attempts=2)
         except FileNotFoundError:
-            continue  # removed since the listing
+            return None  # removed since the listing
         except (RecordError, OSError) as e:
-            out.problems.append(str(e))
+            return str(e)
+
+    if threads > 1 and len(paths) > 1:
+        with ThreadPoolExecutor(min(threads, len(paths))) as pool:
+            results = list(pool.map(one, paths))
+    else:
+        results = [one(p) for p in paths]
+    for r in results:
+        if isinstance(r, str):
+            out.problems.append(r)
+        elif r is not None:
+            out.records.append(r)
     return out
 
 
-def load_workers(layout: RunLayout, skip: frozenset[str] | set[str] = frozenset()) -> Listing[WorkerStatus]:
+def load_workers(
+    layout: RunLayout, skip: frozenset[str] | set[str] = frozenset(), threads: int = 1
+) -> Listing[WorkerStatus]:
     """Every worker record, but those of the workers in ``skip`` (their ids), which are not opened."""
-    return _load_dir(layout.worker_status_dir, WorkerStatus, skip)
+    return _load_dir(layout.worker_status_dir, WorkerStatus, skip, threads)
 
 
-def load_supervisors(layout: RunLayout) -> Listing[SupervisorStatus]:
-    return _load_dir(layout.supervisor_status_dir, SupervisorStatus)
+def load_supervisors(layout: RunLayout, threads: int = 1) -> Listing[SupervisorStatus]:
+    return _load_dir(layout.supervisor_status_dir, SupervisorStatus, threads=threads)
 
 
 def load_supervisor(layout: RunLayout, supervisor_id: str) -> SupervisorStatus | None:

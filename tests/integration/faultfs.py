@@ -10,6 +10,9 @@ Faults are set at run time through a Unix socket, so one mount serves a whole te
   ENOENT to its next ``count`` lookups (NFS may report it so once, right after a rename).
 * ``{"kind": "late_names", "path": ..., "seconds": T}``: a new name (created, renamed or linked into place) stays
   invisible to lookups and directory listings for T seconds (the NFS lookup cache of another client).
+* ``{"kind": "latency", "path": ..., "seconds": T}``: every metadata call on a matching path (open, create, rename,
+  link, unlink, mkdir, getattr, readdir; or only ``op`` when given) takes T seconds more: a network file system's
+  round trip, for the benchmarks (``bench/scale.py --latency-ms``).
 * ``{"kind": "stale_attr", "path": ..., "seconds": T}``: the attributes of a file (size, mtime) are answered from a
   copy up to T seconds old while it is the same file (the NFS attribute cache; a name replaced by rename is another
   file, as for NFS file handles).
@@ -41,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 OPS = ("open", "read", "write", "fsync", "create", "rename", "link", "unlink", "mkdir", "getattr", "readdir")
-KINDS = ("errno", "enoent_after_rename", "late_names", "stale_attr")
+KINDS = ("errno", "enoent_after_rename", "late_names", "stale_attr", "latency")
+METADATA_OPS = ("open", "create", "rename", "link", "unlink", "mkdir", "getattr", "readdir")
 _STAT_KEYS = (
     "st_mode",
     "st_nlink",
@@ -113,9 +117,21 @@ class Faults:
             return {"fired": [r.fired for r in self.rules], "calls": dict(self.calls)}
 
     def check(self, op: str, path: str) -> None:
-        """Raise the errno of the first live errno rule that matches; count the call."""
+        """Raise the errno of the first live errno rule that matches; count the call; wait out the latency rules
+        that match (outside the lock: calls from several threads wait side by side, as round trips do)."""
+        delay = 0.0
         with self.lock:
             self.calls[op] = self.calls.get(op, 0) + 1
+            for r in self.rules:
+                if (
+                    r.kind == "latency"
+                    and (op == r.op or (r.op is None and op in METADATA_OPS))
+                    and r.matches(path)
+                ):
+                    delay += r.seconds
+        if delay > 0:
+            time.sleep(delay)
+        with self.lock:
             for r in self.rules:
                 if r.kind == "errno" and r.op == op and r.matches(path) and r.count != 0:
                     if r.count is not None:
