@@ -129,6 +129,7 @@ class Faults:
                     and r.matches(path)
                 ):
                     delay += r.seconds
+                    r.fired += 1
         if delay > 0:
             time.sleep(delay)
         with self.lock:

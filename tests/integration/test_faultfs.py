@@ -163,6 +163,23 @@ def test_late_names_and_stale_attributes_reach_the_application(ffs: FaultFS, lay
     assert ffs.fired()[1] >= 1
 
 
+def test_latency_delays_the_metadata_calls_of_matching_paths_only(ffs: FaultFS, layout: RunLayout) -> None:
+    """The slow file system of ``bench/scale.py --latency-ms``: every metadata call on a matching path waits, a
+    call on another path does not."""
+    (layout.root / "slow").write_bytes(b"x" * 10)
+    (layout.root / "fast").write_bytes(b"y")
+    ffs.set({"kind": "latency", "path": under(layout, "slow"), "seconds": 0.2})
+    t0 = time.monotonic()
+    assert (layout.root / "slow").stat().st_size == 10
+    waited = time.monotonic() - t0
+    calls = ffs.fired()[0]
+    assert (
+        calls >= 1 and waited >= 0.2 * calls
+    )  # a sleep is never shorter than asked, however loaded the machine
+    assert (layout.root / "fast").stat().st_size == 1
+    assert ffs.fired()[0] == calls
+
+
 def test_enospc_on_write_reaches_the_application(ffs: FaultFS, layout: RunLayout) -> None:
     ffs.set({"op": "write", "errno": "ENOSPC", "path": under(layout, "full")})
     with pytest.raises(OSError) as e, open(layout.root / "full", "wb") as f:
