@@ -28,11 +28,12 @@ from typing import Any
 
 from buffer import metrics, weights
 from buffer.config import ConfigError, DataConfig, ShardRLConfig
+from buffer.localcache import NodeCache
 from buffer.logs import logger
 from buffer.records import RecordError
 from buffer.run import Run
 from buffer.status import read_finished
-from buffer.weights import WeightsError, latest_version, published_versions, verify_version
+from buffer.weights import WeightsError, latest_version, published_versions
 from rollout_worker.engines.base import Engine, EngineError, SamplingSpec
 from rollout_worker.envs import ToolTask
 from rollout_worker.envs.episode import group_rows, run_episodes
@@ -127,6 +128,8 @@ class Evaluator:
     scorer: Scorer
     tool_task: ToolTask | None = None  # with env.tools: the workers' episodes, run greedily
     serving: int = 0  # the version the engine holds (0: the base it was built on)
+    # the node-local copies the workers load from: one read of shared storage per node, delta versions rebuilt
+    _cache: NodeCache | None = None
 
     def sampling(self) -> SamplingSpec:
         cfg = self.run.config
@@ -145,7 +148,9 @@ class Evaluator:
             if self.serving != 0:
                 raise EngineError("the base model is only scored before any version is loaded")
             return 0
-        wv = verify_version(self.run.layout, version)
+        if self._cache is None:
+            self._cache = NodeCache.of_run(self.run.layout)
+        wv = self._cache.materialise(version)  # verified, a delta version rebuilt: what an engine loads
         self.engine.load_weights(wv.path)
         self.serving = version
         return wv.step
