@@ -102,7 +102,9 @@ def _load_dir(
     except FileNotFoundError:
         return out
     paths = [
-        directory / n for n in names if n.endswith(".json") and not n.startswith(".") and n[:-5] not in skip
+        directory / n
+        for n in names
+        if n.endswith(".json") and not n.startswith(".") and n.removesuffix(".json") not in skip
     ]
 
     def one(path: Path) -> S | str | None:
@@ -137,20 +139,25 @@ def load_supervisors(layout: RunLayout, threads: int = 1) -> Listing[SupervisorS
     return _load_dir(layout.supervisor_status_dir, SupervisorStatus, threads=threads)
 
 
-def load_supervisor(layout: RunLayout, supervisor_id: str) -> SupervisorStatus | None:
-    """One supervisor's record; None when it has none; RecordError when the file is not a valid record."""
+def _load_one(kind: type[S], path: Path) -> S | None:
+    """The record at ``path``; None when there is none (yet); RecordError when the file is not a valid record."""
     try:
-        return read_record(SupervisorStatus, layout.supervisor_status(supervisor_id), attempts=2)
+        return read_record(kind, path, attempts=2)
     except FileNotFoundError:
         return None
+
+
+def load_supervisor(layout: RunLayout, supervisor_id: str) -> SupervisorStatus | None:
+    return _load_one(SupervisorStatus, layout.supervisor_status(supervisor_id))
 
 
 def load_worker(layout: RunLayout, worker_id: str) -> WorkerStatus | None:
-    """One worker's record; None when it has none yet; RecordError when the file is not a valid record."""
-    try:
-        return read_record(WorkerStatus, layout.worker_status(worker_id), attempts=2)
-    except FileNotFoundError:
-        return None
+    return _load_one(WorkerStatus, layout.worker_status(worker_id))
+
+
+def fleet_fields(w: WorkerStatus) -> dict[str, Any]:
+    """What the trainer's feed keeps of a live worker (``FleetEntry``; copied by its supervisor into its record)."""
+    return {"incarnation": w.incarnation, "in_flight": w.in_flight, "published_samples": w.published_samples}
 
 
 def samples_in_flight(layout: RunLayout, *, besides: str, max_age_s: float) -> int:
@@ -167,10 +174,7 @@ def samples_in_flight(layout: RunLayout, *, besides: str, max_age_s: float) -> i
 
 def load_trainer(layout: RunLayout) -> TrainerStatus | None:
     """The trainer's record; None before a trainer has written one; RecordError when it is not a valid record."""
-    try:
-        return read_record(TrainerStatus, layout.trainer_status, attempts=2)
-    except FileNotFoundError:
-        return None
+    return _load_one(TrainerStatus, layout.trainer_status)
 
 
 # ------------------------------------------------------------------- key-indexed views (callers not yet typed)

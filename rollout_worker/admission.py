@@ -53,9 +53,8 @@ class Admission:
         supervisor: str | None = None,
     ):
         self.layout = layout
-        self.supervisor = (
-            supervisor  # our node's supervisor, whose record the trainer's feed reads for our node
-        )
+        # our node's supervisor, whose record the trainer's feed reads for our node
+        self.supervisor = supervisor
         self.worker_id = worker_id
         self.incarnation = incarnation
         self.max_age_s = max_age_s

@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class _Turn(Protocol):  # envs.episode.Turn, as far as a row needs it
+    @property
+    def ids(self) -> list[int]: ...
+
+    @property
+    def version(self) -> int: ...  # -1 on an environment turn
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,15 @@ class Turns:
     lengths: list[int]
     versions: list[int]
     episode: dict[str, Any]
+
+    @classmethod
+    def of(cls, turns: Sequence[_Turn], loss_mask: list[int], episode: dict[str, Any]) -> Turns:
+        return cls(loss_mask, [len(t.ids) for t in turns], [t.version for t in turns], episode)
+
+    @property
+    def oldest(self) -> int:
+        """The oldest model turn's version: what the sample's staleness is judged by."""
+        return oldest(self.versions)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from typing import Any
 from buffer.config import ShardRLConfig
 from buffer.control import ControlState, ControlWatcher, Leases, all_leases, renew_interval_s
 from buffer.fsio import HOST, read_json_or_none
-from buffer.heartbeats import StatusWriter, load_worker, supervisor_status, worker_status
+from buffer.heartbeats import StatusWriter, fleet_fields, load_worker, supervisor_status, worker_status
 from buffer.layout import RunLayout
 from buffer.logs import logger, setup_logging
 from buffer.procs import signal_group, start_group, stop_groups
@@ -514,11 +514,7 @@ class Supervisor:
             return {}
         if rec is None or (rec.pid, rec.host) != (s.proc.pid, HOST) or rec.state not in LIVE_STATES:
             return {}
-        return {
-            "incarnation": rec.incarnation,
-            "in_flight": rec.in_flight,
-            "published_samples": rec.published_samples,
-        }
+        return fleet_fields(rec)
 
     # ------------------------------------------------------------------ main loop
 
@@ -553,9 +549,8 @@ class Supervisor:
                 if now >= next_beat:
                     self._renew()
                     next_beat = now + beat_s
-                if (
-                    now >= next_feed
-                ):  # the node's record, which the trainer's feed reads instead of each worker's
+                # the node's record, which the trainer's feed reads instead of each worker's
+                if now >= next_feed:
                     self._write_status("draining" if self.stopping else "running")
                     next_feed = now + min(beat_s, NODE_FEED_S)
                 if not self.stopping and now >= next_control and self._run_finished():

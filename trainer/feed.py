@@ -163,11 +163,7 @@ class FeedKeeper:
             }
             listed |= {w.worker_id for w in sup.workers.values()}
         fleet = {
-            w.id: {
-                "incarnation": w.incarnation,
-                "in_flight": w.in_flight,
-                "published_samples": w.published_samples,
-            }
+            w.id: heartbeats.fleet_fields(w)
             for w in heartbeats.load_workers(layout, skip=listed, threads=READ_THREADS).records
             if w.state in LIVE_STATES and w.age_s() < self.max_age_s
         }

@@ -35,7 +35,7 @@ from typing import Any
 from buffer.schema import logprobs_ok as valid_logprobs
 
 from ..prompts import Prompt
-from ..rows import SampleRow, Turns, oldest
+from ..rows import SampleRow, Turns
 from .episode import ENV_VERSION, Turn
 
 
@@ -134,25 +134,25 @@ def split_rows(
     Every row carries the episode's reward and finish reason (what the reward judged is the whole episode), and
     ``record`` with ``split``/``splits`` added; ``decode`` gives the text of ids, special tokens kept.
     """
-    return [
-        SampleRow(
-            group_id=group_id,
-            prompt_ids=s.prompt_ids,
-            response_ids=s.response_ids,
-            response_logprobs=s.response_logprobs,
-            reward=reward,
-            policy_version=oldest([t.version for t in s.turns if t.model]),  # what staleness is judged by
-            finish_reason=finish_reason,
-            prompt_text=decode(s.prompt_ids),
-            response_text=decode(s.response_ids),
-            answer=prompt.answer,
-            extra={"prompt_index": prompt.index, "epoch": epoch},
-            turns=Turns(
-                s.loss_mask,
-                [len(t.ids) for t in s.turns],
-                [t.version for t in s.turns],
-                {**record, "split": i, "splits": len(splits), "split_calls": len(s.calls)},
-            ),
-        ).to_dict()
-        for i, s in enumerate(splits)
-    ]
+    rows = []
+    for i, s in enumerate(splits):
+        turns = Turns.of(
+            s.turns, s.loss_mask, {**record, "split": i, "splits": len(splits), "split_calls": len(s.calls)}
+        )
+        rows.append(
+            SampleRow(
+                group_id=group_id,
+                prompt_ids=s.prompt_ids,
+                response_ids=s.response_ids,
+                response_logprobs=s.response_logprobs,
+                reward=reward,
+                policy_version=turns.oldest,
+                finish_reason=finish_reason,
+                prompt_text=decode(s.prompt_ids),
+                response_text=decode(s.response_ids),
+                answer=prompt.answer,
+                extra={"prompt_index": prompt.index, "epoch": epoch},
+                turns=turns,
+            ).to_dict()
+        )
+    return rows

@@ -41,7 +41,7 @@ from ..engines.base import Completion, SamplingSpec
 from ..prompts import Prompt, PromptError
 from ..rewards import RewardFunction
 from ..rewards import Sample as RewardSample
-from ..rows import SampleRow, Turns, oldest
+from ..rows import SampleRow, Turns
 from .sandbox import ToolRunner
 from .tools import Tool, parse_tool_calls
 
@@ -514,18 +514,19 @@ def _row(
     token_versions = None
     if any(t.token_versions for t in e.turns):  # a weight update landed inside a turn: versions per token
         token_versions = [v for t in e.turns for v in (t.token_versions or [t.version] * len(t.ids))]
+    turns = Turns.of(e.turns, e.loss_mask, record)
     return SampleRow(
         group_id=group_id,
         prompt_ids=e.prompt_ids,
         response_ids=e.response_ids,
         response_logprobs=e.response_logprobs,
         reward=reward,
-        policy_version=oldest([t.version for t in e.turns if t.model]),  # what staleness is judged by
+        policy_version=turns.oldest,
         finish_reason=finish,
         prompt_text=e.prompt_text,
         response_text=e.renderer.decode(e.response_ids, special=True),
         answer=prompt.answer,
         extra={"prompt_index": prompt.index, "epoch": epoch},
-        turns=Turns(e.loss_mask, [len(t.ids) for t in e.turns], [t.version for t in e.turns], record),
+        turns=turns,
         token_versions=token_versions,
     ).to_dict()
