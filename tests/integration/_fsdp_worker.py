@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer.layout import RunLayout
-from tests.integration._common import free_port
+from tests.integration._common import free_port, leave_after_teardown
 from trainer import dist as tdist
 from trainer.checkpoint import latest_complete_checkpoint, load_checkpoint, save_checkpoint
 from trainer.model import (
@@ -285,6 +285,7 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     tdist.teardown()
+    leave_after_teardown()
 
 
 if __name__ == "__main__":

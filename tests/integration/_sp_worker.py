@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer.config import ShardRLConfig, apply_overrides, validate
+from tests.integration._common import leave_after_teardown
 from trainer import dist as tdist
 from trainer import sequence_parallel as seqpar
 from trainer.batching import batch_to, collate
@@ -178,6 +179,7 @@ def main() -> None:
         for k in ks.split(","):
             run_case(model, Path(out_dir), case, int(k), device)
     tdist.teardown()
+    leave_after_teardown()
 
 
 if __name__ == "__main__":
