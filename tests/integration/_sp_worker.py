@@ -147,7 +147,16 @@ def run_case(model: str, out_dir: Path, case: str, k: int, device: torch.device)
     actor: Any = models.actor
     vocab = actor.config.vocab_size
     rows = samples(int(vocab))
+    # Tokens this rank's embedding sees in the forward pass of ``direct``: 1/K of the packed row (plus its padding
+    # to a multiple of K) when sequence parallelism engaged, the whole row when a setting was ignored.
+    seen = [0]
+    hook_handle = actor.lm.get_input_embeddings().register_forward_hook(
+        lambda _m, args, _out: seen.__setitem__(0, seen[0] + args[0].numel())
+    )
     dumped = direct(cfg, models, rows, device)
+    hook_handle.remove()
+    embedded = [0] * tdist.world()
+    torch.distributed.all_gather_object(embedded, seen[0])
     updates = 0
 
     def hook(m: Models) -> None:
@@ -167,7 +176,7 @@ def run_case(model: str, out_dir: Path, case: str, k: int, device: torch.device)
         save_file(
             {n: v.contiguous() for n, v in dumped.items()},
             str(path),
-            metadata={"metrics": json.dumps(metrics)},
+            metadata={"metrics": json.dumps(metrics), "embedded_tokens": json.dumps(embedded)},
         )
 
 

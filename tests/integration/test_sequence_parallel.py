@@ -26,7 +26,24 @@ def _load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return load_file(str(path)), json.loads(meta["metrics"])
 
 
+def _embedded(path: Path) -> list[int]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(json.loads(f.metadata()["embedded_tokens"]))
+
+
+def _assert_engaged(out: Path, case: str, k: int) -> None:
+    """Each rank embedded a K-th of the tokens it embeds at K = 1 (each rank has the whole row there), up to the
+    row's padding to a multiple of K: the setting was not ignored."""
+    whole = _embedded(out / f"{case}-k1.safetensors")
+    assert len(set(whole)) == 1 and whole[0] > 0, whole
+    for seen in _embedded(out / f"{case}-k{k}.safetensors"):
+        assert whole[0] / k <= seen < whole[0] / k + k, f"{case} K={k}: {seen} tokens embedded of {whole[0]}"
+
+
 def _assert_equal_runs(out: Path, case: str, k: int) -> None:
+    _assert_engaged(out, case, k)
     one, m_one = _load(out / f"{case}-k1.safetensors")
     sp, m_sp = _load(out / f"{case}-k{k}.safetensors")
     assert one.keys() == sp.keys()
