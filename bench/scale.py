@@ -19,7 +19,9 @@ Measured, each in a fresh process (the page cache warm, as on a busy node):
   listing W / N workers; without, each live worker's record);
 - a fresh worker's first view, with no live trainer (it counts the backlog itself from the consumption log);
 - a resumed trainer's start-up: claiming an epoch, loading the consumption log, finding the plans to replay; with
-  the memory of its consumed-row state.
+  the memory of its consumed-row state;
+- ``shardrl audit``'s ledger (``buffer.audit.audit``), once: not a hot path (it reads every plan and shard name, so
+  its time grows with the run), but its peak memory must not.
 With ``--latency-ms T`` the run is built on the local disk and measured through the FUSE passthrough of the storage
 tests (``tests/integration/faultfs.py``), which adds T ms to every metadata call (open, create, rename, link,
 unlink, mkdir, getattr, readdir), as a Lustre or NFS round trip would; the kernel's attribute and entry caches are
@@ -297,12 +299,19 @@ def _trainer_start(run: Run) -> Callable[[], Any]:
     return start
 
 
+def _audit(run: Run) -> Callable[[], Any]:
+    from buffer.audit import audit
+
+    return lambda: audit(run.layout)
+
+
 PATHS: dict[str, Callable[[Run], Callable[[], Any]]] = {
     "worker_check": _worker_check,
     "trainer_poll": _trainer_poll,
     "feed_refresh": _feed_refresh,
     "fresh_worker": _fresh_worker,
     "trainer_start": _trainer_start,
+    "audit": _audit,  # not a hot path: it reads every plan; its memory is what must not grow with the run
 }
 
 
@@ -407,7 +416,7 @@ def measure_run(root: Path, repeat: int, strace: bool) -> dict[str, dict[str, fl
     # a refresh lists the buckets that can still change: crossing a minute's boundary mid-measurement costs one or
     # two listings more, once, so enough refreshes keep that under half a call a refresh
     reps = {"worker_check": repeat, "trainer_poll": repeat, "feed_refresh": max(10, repeat // 2)}
-    reps |= {"fresh_worker": max(3, repeat // 20), "trainer_start": 3}
+    reps |= {"fresh_worker": max(3, repeat // 20), "trainer_start": 3, "audit": 1}
     return {what: measure(root, what, n, strace) for what, n in reps.items()}
 
 

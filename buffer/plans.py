@@ -35,7 +35,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -183,6 +183,25 @@ def valid_plans(layout: RunLayout, problems: list[str] | None = None, after_step
                 raise
             problems.append(str(e))
     return out
+
+
+def valid_plans_in_order(layout: RunLayout, problems: list[str]) -> Iterator[tuple[int, Plan]]:
+    """(step, plan) of every valid plan in step order, one plan bucket listed and read at a time, so a reader's
+    memory holds one bucket's plans (``PLAN_BUCKET_STEPS``) whatever the run's length.  A plan that is not a valid
+    record is reported in ``problems`` and left out."""
+    claims = _epoch_claims(layout)
+    for b in plan_buckets(layout):
+        # of two valid files of one step the later epoch's counts, as in valid_plan_files
+        files = {
+            f.step: f for f in sorted(_files_in(layout.plan_bucket(b))) if _valid(f.step, f.epoch, claims)
+        }
+        for _, f in sorted(files.items()):
+            try:
+                plan = read_plan(f)
+            except RecordError as e:
+                problems.append(str(e))
+                continue
+            yield f.step, plan
 
 
 # ------------------------------------------------------------------------------------------- row ranges

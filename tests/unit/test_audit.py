@@ -71,3 +71,27 @@ def test_shardrl_audit_exits_1_on_a_loss(tmp_path: Path, capsys) -> None:  # typ
     heartbeats.worker_status(layout, "w0", slot=0, incarnation=w0.incarnation).update(published_samples=8)
     assert main(["audit", str(layout.root), "--json"]) == 1
     assert '"lost": 4' in capsys.readouterr().out
+
+
+def test_a_shard_consumed_whole_is_remembered_by_its_seq_and_caught_when_consumed_again(
+    tmp_path: Path,
+) -> None:
+    """A wholly consumed shard is kept as its writer's seq alone (the audit's memory does not grow with the run), and
+    rows of it consumed again, under its own name, are still a duplicate that is not counted twice."""
+    from buffer.audit import _Consumed
+
+    layout = make_layout(tmp_path)
+    w0, names = _publish(layout, "w0", 3)
+    log = plans.PlanLog.claim(layout)
+    log.write_plan(1, names[:2], [(n, r) for n in names[:2] for r in range(4)])
+    log.write_plan(2, [names[0]], [(names[0], r) for r in range(2)])
+    led = audit(layout)
+    key = f"w0.{w0.incarnation}"
+    assert not led.ok and len(led.duplicates) == 1 and "consumed whole" in led.duplicates[0], led.duplicates
+    assert led.writers[key].consumed == 8 and led.writers[key].waiting == 4
+
+    done = _Consumed()
+    for n in names:
+        for r in range(4):
+            assert done.take(n, r, r + 1) is None
+    assert done.partial == {} and dict(done.whole) == {key: [[0, 3]]}  # three shards: one interval, no names
