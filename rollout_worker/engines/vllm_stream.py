@@ -49,6 +49,7 @@ from rollout_worker.engines.vllm import (
     configure_env,
     llm_kwargs,
     root_cause,
+    sampled_logprobs,
 )
 
 T = TypeVar("T")
@@ -152,6 +153,7 @@ class StreamingVllmEngine:
             stop=list(sampling.stop) or None,
             seed=sampling.seed,
             logprobs=0,
+            flat_logprobs=True,  # lists, not a dict of Logprob objects a token: this process's one core is the limit
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             # Text is decoded once from the ids when the response is done; vLLM's incremental detokenizer runs
@@ -174,7 +176,7 @@ class StreamingVllmEngine:
                 new = list(o.token_ids)
                 version = self.version  # read as the tokens arrive: a pause settles before it changes
                 ids.extend(new)
-                logprobs.extend(float(o.logprobs[i][t].logprob) for i, t in enumerate(new))
+                logprobs.extend(sampled_logprobs(o.logprobs, new))
                 versions.extend([version] * len(new))
                 text.append(o.text)
                 self._arrived += len(new)

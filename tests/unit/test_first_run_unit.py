@@ -374,3 +374,23 @@ def test_an_unknown_key_names_the_closest_one_and_the_flag_it_came_from(tmp_path
 def test_the_data_docs_export_example_survives_retention() -> None:
     docs = (ROOT / "docs" / "DATA.md").read_text()
     assert "shardrl export runs/demo --version latest" in docs and "--version 3 exports" not in docs
+
+
+def test_sampled_logprobs_read_vllms_flat_container_and_its_list_of_dicts_alike() -> None:
+    """The engines ask vLLM for flat logprobs (lists, not a dict a token): read from its lists when it holds the
+    sampled tokens alone, looked up per position when it holds more, the same values as the older list of dicts."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rollout_worker.engines.vllm import sampled_logprobs
+
+    ids = [5, 9, 2]
+    positions = [{5: Logprob(-0.5, 1)}, {9: Logprob(-1.25, 3)}, {2: Logprob(-2.0, 1)}]
+    flat = FlatLogprobs()
+    for p in positions:
+        flat.append(p)
+    assert sampled_logprobs(flat, ids) == sampled_logprobs(positions, ids) == [-0.5, -1.25, -2.0]
+    # a top-2 container (the sampled token and one other at each position): found by id, not by place
+    wide = FlatLogprobs()
+    for (t, lp), other in zip((p.popitem() for p in positions), (7, 8, 6), strict=True):
+        wide.append({other: Logprob(-0.1, 1), t: lp})
+    assert sampled_logprobs(wide, ids) == [-0.5, -1.25, -2.0]
