@@ -140,7 +140,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s = _sub(sub, "report", "write PNG plots of a run's metrics into RUN/plots")
     s = _export_sub(sub, "export", "copy a published weight version out as a standalone HF model directory")
-    s.add_argument("--version", required=True, help="a published version number, or `latest`")
+    which = s.add_mutually_exclusive_group(required=True)
+    which.add_argument("--version", help="a published version number, or `latest`")
+    which.add_argument(
+        "--step", type=int, help="a step with a complete trainer checkpoint: its actor, published anew"
+    )
     s = _export_sub(sub, "export-shards", "write each ready shard as Parquet (one file per shard) into OUT")
     s.add_argument("--format", choices=["parquet"], default="parquet")
     return p
@@ -374,7 +378,9 @@ def _report(args: argparse.Namespace, _: dict[str, str]) -> int:
 def _export(args: argparse.Namespace, _: dict[str, str]) -> int:
     from .export import main as export_main
 
-    return export_main(args.cmd, args.run, args.out, getattr(args, "version", None))
+    return export_main(
+        args.cmd, args.run, args.out, getattr(args, "version", None), getattr(args, "step", None)
+    )
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, dict[str, str]], int]] = {

@@ -2,7 +2,8 @@
 
 ``shardrl export RUN --version V OUT`` copies a published weight version into a standalone HF model directory (what
 ``from_pretrained`` and vLLM load); the version is verified against its manifest, checksums included, before
-anything is copied, and every copied file is checked again against the manifest.  ``shardrl export-shards RUN
+anything is copied, and every copied file is checked again against the manifest.  ``shardrl export RUN --step N
+OUT`` writes the actor of the trainer's checkpoint of step N the same way, for a version retention deleted.  ``shardrl export-shards RUN
 --format parquet OUT`` writes one Parquet file per ready shard into OUT (a directory that pyarrow, pandas, polars and
 DuckDB read as one dataset; docs/DATA.md); each shard is validated first, and shards already exported are skipped,
 so running it again exports only what is new.
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from buffer.config import ConfigError
 from buffer.fsio import fsync_dir, tmp_name
 from buffer.layout import RunLayout
-from buffer.run import open_run
+from buffer.run import Run, open_run
 from buffer.shards import SUFFIX, ShardError, list_ready, read_shard
 from buffer.weights import (
     MANIFEST,
@@ -107,11 +109,82 @@ def export_version(run_dir: Path, version: str, out: Path) -> VersionExport:
     except WeightsError as e:
         raise ExportError(str(e)) from None
     _fresh_out(out)
-    tmp = tmp_name(out)
-    tmp.mkdir()
     scratch = tmp_name(out.parent / f"{out.name}-delta")
     try:
-        src = _full_files(run.layout, wv.path, v, scratch)
+        return _export_dir(run, lambda: _full_files(run.layout, wv.path, v, scratch), out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def export_checkpoint(run_dir: Path, step: int, out: Path) -> VersionExport:
+    """The actor of the trainer's complete checkpoint of ``step`` as a standalone HF directory at ``out``: for a
+    version that retention deleted, or a step no version was published at.  The trainer's own models are built in
+    this process on the CPU (one rank), the checkpoint is loaded into them (DCP reshards whatever world size saved
+    it), and the actor goes through the trainer's own publish path (LoRA adapters merged) into a scratch run; that
+    version is copied out as ``export_version`` copies one."""
+    from trainer import checkpoint as ckpt
+
+    run = open_run(run_dir)
+    if not ckpt.is_complete(run.layout, step):
+        have = ", ".join(map(str, ckpt.complete_checkpoints(run.layout))) or "none"
+        raise ExportError(
+            f"{run.layout.checkpoint(step)}: not a complete checkpoint; --step takes one of the steps with one "
+            f"({have})"
+        )
+    _fresh_out(out)
+    scratch = RunLayout.of(tmp_name(out.parent / f"{out.name}-checkpoint"))
+    try:
+        return _export_dir(run, lambda: _publish_checkpoint(run, step, scratch), out)
+    finally:
+        shutil.rmtree(scratch.root, ignore_errors=True)
+
+
+def _publish_checkpoint(run: Run, step: int, scratch: RunLayout) -> Path:
+    """Load checkpoint ``step`` into the trainer's models and publish the actor as version 1 of ``scratch``."""
+    from buffer.config import resolve_dtype
+    from trainer import checkpoint as ckpt
+    from trainer import dist as tdist
+    from trainer.loop import build_models
+    from trainer.publish import publish_weights
+
+    cfg = run.config
+    # Built on this machine's CPU in float32, whatever devices, offload and recomputation the training used: none of
+    # them changes the weights a checkpoint holds.
+    trainer = cfg.trainer.model_copy(
+        update={"cpu_offload": False, "activation_checkpointing": False, "param_dtype": "float32"}
+    )
+    tdist.init("cpu")
+    try:
+        models = build_models(replace(run, config=cfg.model_copy(update={"trainer": trainer})))
+        try:
+            ckpt.load_checkpoint(run.layout, step, *models.parts())
+        except ckpt.CheckpointError as e:
+            raise ExportError(str(e)) from None
+        scratch.create()
+        lora = cfg.model.lora if cfg.model.lora.enabled else None
+        publish_weights(
+            models.actor,
+            scratch,
+            1,
+            step,
+            dtype=resolve_dtype(cfg.model.dtype, cuda=False),
+            tied=bool(getattr(models.actor.config, "tie_word_embeddings", False)),
+            src_model_dir=run.model_dir,
+            lora=lora,
+            merged=lora is not None,
+        )
+    finally:
+        tdist.teardown()
+    return scratch.weight_version(1)
+
+
+def _export_dir(run: Run, source: Callable[[], Path], out: Path) -> VersionExport:
+    """Copy the full HF version directory that ``source()`` gives into ``out``, every file checked against its
+    manifest, the run's tokenizer added where the version carries none; ``out`` appears whole or not at all."""
+    tmp = tmp_name(out)
+    tmp.mkdir()
+    try:
+        src = source()
         manifest = manifest_of(src)
         files = manifest["files"]
         written = [*files, MANIFEST]
@@ -132,12 +205,11 @@ def export_version(run_dir: Path, version: str, out: Path) -> VersionExport:
     except FileNotFoundError as e:
         raise ExportError(
             f"{e.filename}: deleted while copying (garbage collection keeps run.keep_weight_versions); "
-            "export a newer version"
+            "export a newer version, or a checkpoint with --step"
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
-    return VersionExport(out, v, int(manifest.get("step", 0)), sorted(written))
+    return VersionExport(out, int(manifest.get("version", 0)), int(manifest.get("step", 0)), sorted(written))
 
 
 def _full_files(layout: RunLayout, path: Path, version: int, scratch: Path) -> Path:
@@ -204,8 +276,15 @@ def export_shards(run_dir: Path, out: Path) -> ShardExport:
     return report
 
 
-def main(cmd: str, run_dir: Path, out: Path, version: str | None) -> int:
+def main(cmd: str, run_dir: Path, out: Path, version: str | None, step: int | None = None) -> int:
     """The two subcommands' output lines; exit 1 when a shard failed validation."""
+    if cmd == "export" and step is not None:
+        done = export_checkpoint(run_dir, step, out)
+        print(
+            f"exported the actor of checkpoint step {done.step} to {done.out}: {len(done.files)} files "
+            f"({', '.join(done.files)})"
+        )
+        return 0
     if cmd == "export":
         done = export_version(run_dir, str(version), out)
         print(

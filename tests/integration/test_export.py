@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from buffer import shards
 from buffer.config import ShardRLConfig
@@ -103,3 +104,42 @@ def test_export_shards_to_parquet_reads_back_as_one_dataset(run: Run, tmp_path: 
     assert (
         p.stdout.splitlines()[-1] == f"wrote 0 Parquet file(s) (0 samples) to {out} (3 already there, 1 bad)"
     )
+
+
+@pytest.mark.slow
+def test_export_from_a_checkpoint_equals_the_version_published_at_its_step(
+    tmp_path: Path, tiny_model_tied: Path
+) -> None:
+    """A checkpoint saved by two ranks, exported by one process: the same tensors, to the bit, as the full version
+    the trainer published after that step; a step without a complete checkpoint is one line, exit 2."""
+    from safetensors.torch import load_file
+
+    from ._trainer_helpers import command, make_run, run_ok, synth, trainer_args
+
+    layout = make_run(tmp_path / "run", tiny_model_tied, trainer__save_every=1, trainer__publish_full_every=1)
+    synth(layout, shards=2, samples=32)
+    run_ok(command(2, *trainer_args(layout, "--max-steps", 2)), tmp_path / "trainer.log")
+    (published,) = [
+        d for d in layout.weights.glob("v*") if json.loads((d / "manifest.json").read_text()).get("step") == 2
+    ]
+
+    out = tmp_path / "step2"
+    p = shardrl("export", str(layout.root), "--step", "2", str(out))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"exported the actor of checkpoint step 2 to {out}: "), p.stdout
+
+    def tensors(d: Path) -> dict[str, torch.Tensor]:  # a version holds a file per publishing rank
+        return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    got, want = tensors(out), tensors(published)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    base = tensors(tiny_model_tied)
+    assert any(not torch.equal(got[n], base[n]) for n in got)  # trained weights, not the base's
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+
+    p = shardrl("export", str(layout.root), "--step", "5", str(tmp_path / "step5"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "not a complete checkpoint; --step takes one of the steps with one (1, 2)" in p.stderr, p.stderr
+    assert not (tmp_path / "step5").exists()
