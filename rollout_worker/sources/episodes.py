@@ -11,10 +11,11 @@ turn of every live episode per call.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
-from buffer.config import ShardRLConfig
+from buffer.config import ConfigError, ShardRLConfig
 from rollout_worker.envs import ToolTask
 from rollout_worker.prompts import EncodedPrompt
 from rollout_worker.scoring import ScoredBatch
@@ -22,6 +23,25 @@ from rollout_worker.sources import Admit, Host, Produced
 from rollout_worker.sources.batch import BatchSource
 
 FOLLOW_S = 0.05  # while a streaming batch's episodes run, LATEST is looked at this often (rate-limited again)
+# Batches in a row whose every episode failed (an agent that raises, a verifiers harness that cannot start) after
+# which the worker stops with the error in its status: such an environment produces no sample however long it runs,
+# and the trainer would wait for one forever.  A batch with one episode that ran resets the count.
+FAILING_BATCHES = 3
+
+
+class EpisodesFailing(ConfigError):
+    """Every episode of ``FAILING_BATCHES`` batches in a row failed: a user's environment, not a crash to retry."""
+
+
+def failure_of(scored: ScoredBatch) -> str | None:
+    """The last error when every episode of the batch failed (its group dropped for want of a model call, or its
+    rows' episode record naming an error); None when one ran, or the batch held nothing at all."""
+    rows = [r for g in scored.groups for r in g]
+    errors = [json.loads(r["episode"]).get("error") for r in rows if r.get("episode")]
+    if (rows and not (errors and all(errors))) or not (rows or scored.errors):
+        return None
+    last = str(errors[-1]) if errors else scored.errors[-1]
+    return " ".join(last.split())[:500]  # one line in the status record
 
 
 def make_task(cfg: ShardRLConfig, tokenizer: Any) -> Any:
@@ -57,6 +77,7 @@ class EpisodeSource(BatchSource):
         self.engine: Any = engine  # batch or streaming: a streaming engine's version tags each turn's tokens
         self.task, self.complete, self.streaming = task, complete, streaming
         self.last_stats: dict[str, float] = {}
+        self.failing = 0  # batches in a row whose every episode failed
 
     def step(self, admit: Admit) -> Produced:
         from rollout_worker.envs import episode_stats
@@ -64,7 +85,17 @@ class EpisodeSource(BatchSource):
         out = super().step(admit)
         if out.paused is None:
             out.episode_stats = episode_stats(out.scored.groups)
+            self._count_failures(out.scored)
         return out
+
+    def _count_failures(self, scored: ScoredBatch) -> None:
+        error = failure_of(scored)
+        self.failing = 0 if error is None else self.failing + 1
+        if self.failing >= FAILING_BATCHES:
+            raise EpisodesFailing(
+                f"env: every episode of the last {self.failing} batches failed, so this environment produces no "
+                f"sample; the worker stops (a restart would fail the same way). The last error: {error}"
+            )
 
     def make(self, prompts: list[EncodedPrompt], version: int) -> tuple[ScoredBatch, int]:
         if not self.streaming:  # a batch engine's weights change between batches only

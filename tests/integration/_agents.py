@@ -121,3 +121,8 @@ def by_mode(base_url: str, row: dict[str, Any]) -> str | None:
     if mode == "sleep":
         time.sleep(10)
     return 5  # type: ignore[return-value]  # mode "number": not the text an agent must return
+
+
+def broken(base_url: str, row: dict[str, Any]) -> str | None:
+    """An agent with a bug: it raises before it calls the model, in every episode."""
+    raise KeyError("the agent looked up row['question'], a key its rows do not have")

@@ -179,3 +179,36 @@ def test_init_refuses_a_config_naming_a_missing_tool(tiny_model_untied: Path, tm
     with pytest.raises(ToolConfigError, match="has no function 'missing'"):
         make_run(tmp_path / "run", tiny_model_untied, env={"tools": [f"{TOOLS}:missing"]})
     assert not (tmp_path / "run").exists()
+
+
+def test_an_environment_whose_every_episode_fails_stops_the_worker_with_its_error(
+    tiny_model_untied: Path, tmp_path: Path
+) -> None:
+    """An agent that raises in every episode: the worker does not loop with no sample while the trainer waits; after
+    a few such batches it exits 2 (a user's error, not a crash to restart) with the agent's error in its status."""
+    from rollout_worker.sources.episodes import FAILING_BATCHES
+
+    from ._rollout_helpers import make_run, spawn, tail, worker
+
+    run = make_run(
+        tmp_path / "run",
+        tiny_model_untied,
+        env={"agent": "tests.integration._agents:broken"},
+        rollout={"engine": "hf", "prompts_per_batch": 2, "sampling": {"n": 2, "max_response_length": 8}},
+        data={"max_prompt_length": 64},
+    )
+    log = tmp_path / "worker.log"
+    proc = spawn(["rollout_worker.worker", "--run", str(run.layout.root), "--slot", "0"], log)
+    try:
+        assert proc.wait(timeout=300) == 2, tail(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rec = worker(run, "w0")
+    assert rec["state"] == "failed", rec
+    assert f"every episode of the last {FAILING_BATCHES} batches failed" in rec["last_error"], rec
+    assert "KeyError" in rec["last_error"] and "row['question']" in rec["last_error"], rec
+    assert "\n" not in rec["last_error"]
+    assert not any(
+        run.layout.shards_ready.rglob("*.arrow")
+    )  # nothing was published: there was nothing to train

@@ -378,3 +378,19 @@ def test_a_cut_last_reply_ends_truncated_and_only_its_own_sample_says_length(tok
     assert why is None and rows is not None
     assert [r["finish_reason"] for r in rows] == ["stop", "length"]
     assert all(json.loads(r["episode"])["truncated"] for r in rows) and {r["reward"] for r in rows} == {-1.0}
+
+
+def test_a_batch_counts_as_failed_only_when_every_episode_failed() -> None:
+    import json as _json
+
+    from rollout_worker.scoring import ScoredBatch
+    from rollout_worker.sources.episodes import failure_of
+
+    def row(error: str | None) -> dict:
+        return {"episode": _json.dumps({"ended": "error", "error": error} if error else {"ended": "done"})}
+
+    assert failure_of(ScoredBatch()) is None  # nothing ran at all (no prompt yet): not a failure
+    assert failure_of(ScoredBatch(groups=[[row("boom"), row(None)]])) is None  # one episode ran
+    assert failure_of(ScoredBatch(groups=[[row("boom\n  at line 3")]])) == "boom at line 3"
+    dropped = ScoredBatch(errors=["prompt 0: no agent run made a model call (KeyError: 'q')"])
+    assert failure_of(dropped) == "prompt 0: no agent run made a model call (KeyError: 'q')"
