@@ -53,6 +53,11 @@ def main() -> int:
         action="store_true",
         help="the batch engine instead: generate() calls of --in-flight samples, each with its own length",
     )
+    p.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="vLLM: keep the engine's tokenizer (what a run with stop strings builds); default: none, as without",
+    )
     args = p.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -71,6 +76,7 @@ def main() -> int:
         max_model_len=args.max_model_len or longest + args.max_response_length + 8,
         vllm_options=json.loads(args.vllm_options),
         max_batch_size=args.in_flight,
+        detokenize=args.detokenize,
     )
     if args.profile_steps:
         profile_steps(engine, 200, args.profile_steps)
@@ -105,6 +111,7 @@ def main() -> int:
         "samples": args.samples,
         "in_flight": args.in_flight,
         "engine": f"{args.engine} streaming",
+        "detokenize": args.detokenize,
         # this process's CPU time per output token (vLLM's engine core runs in a process of its own): the
         # front end's cost, which caps tokens/s at 1e6 / this on one core whatever the accelerator
         "frontend_cpu_us_per_token": round(1e6 * cpu / tokens, 2) if tokens else None,
@@ -154,6 +161,7 @@ def batch_alone(args: argparse.Namespace, prompts: list[list[int]], longest: int
         dtype=resolve_dtype(args.dtype, cuda=torch.cuda.is_available()),
         max_model_len=args.max_model_len or longest + args.max_response_length + 8,
         vllm_options=json.loads(args.vllm_options),
+        detokenize=args.detokenize,
     )
     draw = LengthDraw(args.min_response_length, args.max_response_length, random.Random(0))
     tokens, seconds, done, call, cpu = 0, 0.0, 0, 0, 0.0

@@ -23,6 +23,10 @@
 #                E2E_ENGINE (hf) or vllm: a vLLM worker with CUDA graphs, E2E_VLLM_MEM (0.35) of the GPU's memory
 #                (the trainer shares GPU 0 with it when there is one GPU), E2E_VLLM_SEQS (512) sequences at once;
 #                E2E_SHAPE (qwen2.5-0.5b) the model's shape
+#   alone        the streaming vLLM engine alone (bench/engine_alone.py) with the e2e workers' options (CUDA graphs,
+#                E2E_VLLM_MEM of the memory, E2E_VLLM_SEQS in flight) on the E2E_SHAPE model, lengths log-uniform
+#                16..E2E_RESPONSE (1024): without the engine's tokenizer (a run without stop strings) and with it,
+#                ALONE_RUNS (2) times each, alternating
 #   vllm         the gpu-marked vLLM tests (tests/integration/test_gpu_vllm.py); bench/gpu_install.sh installs vLLM
 #   stream       the streaming transformers engine's decode step on ragged rows (bench/ragged_decode.py, profiled),
 #                then the streaming and the batch engines alone on long-tailed lengths (bench/engine_alone.py), on a
@@ -94,6 +98,17 @@ for s in $SECTIONS; do
                 python bench/engine_alone.py $A --batch
             done
             SHARDRL_ENGINE_TIMINGS=1 python bench/engine_alone.py $A ;;
+        alone)
+            M=/tmp/model-${E2E_SHAPE:-qwen2.5-0.5b}
+            [ -d "$M" ] || python -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; from e2e import build_shaped_model; build_shaped_model('${E2E_SHAPE:-qwen2.5-0.5b}', Path('$M'))"
+            O="{\"enforce_eager\": false, \"gpu_memory_utilization\": ${E2E_VLLM_MEM:-0.35}, \"max_num_seqs\": ${E2E_VLLM_SEQS:-512}}"
+            for ((run = 0; run < ${ALONE_RUNS:-2}; run++)); do
+                for d in "" --detokenize; do
+                    python bench/engine_alone.py --model "$M" --engine vllm --samples $((2 * ${E2E_VLLM_SEQS:-512})) \
+                        --in-flight "${E2E_VLLM_SEQS:-512}" --lengths loguniform --min-response-length 16 \
+                        --max-response-length "${E2E_RESPONSE:-1024}" --dtype bfloat16 --vllm-options "$O" $d 2>&1 | tail -1
+                done
+            done ;;
         tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 ;;
         vllm) python -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_gpu_vllm.py 2>&1 | tail -40 ;;
         *) echo "unknown section $s" ;;

@@ -39,6 +39,10 @@ class EngineSpec:
     lora_rank: int = 0  # > 0: serve LoRA adapters of at most this rank on the base (base.plan_load)
     max_batch_size: int = 256  # transformers engines: rows decoded together (vLLM has its own max_num_seqs)
     device: str | None = None  # transformers engines: None = CUDA where visible
+    # vLLM: False = no tokenizer in the engine (``skip_tokenizer_init``).  Its front end otherwise turns every
+    # sampled token back into a string at every step, for the logprobs and the incremental text, and that one core
+    # is what caps a streaming engine on a GPU.  Stop strings need it; the response text is decoded once from the ids.
+    detokenize: bool = True
 
     @classmethod
     def of_run(cls, run: Run, seed: int) -> EngineSpec:
@@ -55,4 +59,11 @@ class EngineSpec:
             max_model_len=cfg.context_length(),
             vllm_options=vllm.model_dump(exclude={"max_model_len"}) if vllm is not None else {},
             lora_rank=cfg.model.lora.rank,
+            detokenize=needs_text(run),
         )
+
+
+def needs_text(run: Run) -> bool:
+    """Whether the run's requests may carry stop strings: its own sampling's, or an environment's per turn."""
+    cfg = run.config
+    return bool(cfg.rollout.sampling.stop or cfg.env.tools or cfg.env.agent or cfg.env.verifiers)

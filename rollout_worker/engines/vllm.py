@@ -178,6 +178,24 @@ def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
     return [float(logprobs[i][t].logprob) for i, t in enumerate(ids)]
 
 
+def engine_tokenizer(engine: Any, model_dir: Path, detokenize: bool) -> Any:
+    """The tokenizer that decodes finished responses: vLLM's own, or the model's where the engine has none."""
+    if detokenize:
+        return engine.get_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def refuse_stops(sampling: SamplingSpec, detokenize: bool) -> None:
+    """Stop strings on an engine built without a tokenizer: one line, before vLLM's own error deep in a request."""
+    if sampling.stop and not detokenize:
+        raise EngineError(
+            "rollout.sampling.stop: stop strings need the engine's tokenizer; this engine was built without one "
+            "(EngineSpec.detokenize = False)"
+        )
+
+
 def llm_kwargs(
     model_dir: Path,
     *,
@@ -187,10 +205,12 @@ def llm_kwargs(
     options: dict[str, Any],
     lora_rank: int = 0,
     cpu: bool = False,
+    detokenize: bool = True,
 ) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments: ours, then the options (``None`` = vLLM's default; dtype ``auto`` = ours).
 
-    ``cpu``: the CPU build, which runs without chunked prefill (see the module's docstring)."""
+    ``cpu``: the CPU build, which runs without chunked prefill (see the module's docstring).  ``detokenize``: see
+    ``EngineSpec.detokenize``."""
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -205,6 +225,8 @@ def llm_kwargs(
     }
     if cpu:
         kwargs["enable_chunked_prefill"] = False
+    if not detokenize:
+        kwargs["skip_tokenizer_init"] = True
     if lora_rank > 0:  # one adapter at a time: the newest version
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1)
     for key, value in options.items():
@@ -238,12 +260,14 @@ class VllmEngine:
             options=options,
             lora_rank=lora_rank,
             cpu=current_platform.is_cpu(),
+            detokenize=spec.detokenize,
         )
+        self.detokenize = spec.detokenize
         self.max_model_len = int(self.kwargs["max_model_len"])
         self.log_offset = _stderr_size()  # the engine's processes write to our stderr from here on
         with engine_errors(self.log_offset):
             self.llm = LLM(**self.kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = engine_tokenizer(self.llm, model_dir, spec.detokenize)
         self.last_reload_s = 0.0
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingSpec) -> list[list[Completion]]:
@@ -251,6 +275,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         check_prompts(prompt_ids, sampling, self.max_model_len)
+        refuse_stops(sampling, self.detokenize)
 
         def params(seed: int | None, n: int = sampling.n, max_tokens: int = sampling.max_tokens) -> Any:
             return SamplingParams(

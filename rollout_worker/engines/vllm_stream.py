@@ -11,8 +11,15 @@ prompt and the tokens it already has again, under the new weights, so everything
 from the new weights alone (no KV computed by the old ones): a response then carries the old version's tokens with
 the old logprobs and the new version's with the new ones, each token's logprob under the weights that drew it, and
 ``token_versions`` says which is which.  Tokens are tagged with the version current when vLLM hands them over; the
-pause waits until no more tokens arrive before the version changes, so a token drawn before the pause is never
+pause waits until vLLM has processed every token drawn before it, so a token drawn before the pause is never
 tagged with the new version.
+
+vLLM hands a request's tokens over every ``rollout.vllm.stream_interval`` tokens (16), not every step: the front
+end's one core, which turns each request's output of each step into objects and wakes its coroutine, is what caps
+the engine on a GPU, and gathering 16 tokens a hand-over cut its CPU per output token from 43 to 25 us (CPU build,
+``bench/engine_alone.py``).  Tokens still held when an update comes are the old weights': the swap reads how many
+tokens vLLM's output processor has made for each request (``processed_counts``) and tags those positions with the
+old version when they arrive.
 
 LoRA adapters are not served here (an adapter update would need two adapters resident while old requests finish);
 a LoRA run uses the batch engine (``rollout.streaming = false``), refused in one line otherwise.
@@ -47,16 +54,37 @@ from rollout_worker.engines.vllm import (
     _stderr_since,
     _stderr_size,
     configure_env,
+    engine_tokenizer,
     llm_kwargs,
+    refuse_stops,
     root_cause,
     sampled_logprobs,
 )
 
 T = TypeVar("T")
+
+
+def processed_counts(engine: Any) -> dict[str, int] | None:
+    """Tokens vLLM's output processor has made for each request in flight, by our request id; None where this
+    vLLM release keeps them elsewhere (its ``OutputProcessor.request_states``, in 0.26 through 0.32)."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    if not isinstance(states, dict):
+        return None
+    counts: dict[str, int] = {}
+    for state in states.values():
+        key = getattr(state, "external_req_id", None)
+        made = getattr(getattr(state, "detokenizer", None), "num_output_tokens", None)
+        if not isinstance(key, str) or not callable(made):
+            return None
+        counts[key] = int(made())
+    return counts
+
+
 SETTLE_S = (
-    0.005  # after a pause, tokens still arriving are the old weights': wait until none came for this long
+    0.005  # after a pause, tokens still being processed are the old weights': wait until none came this long
 )
 START_TIMEOUT_S = 1800.0
+STREAM_INTERVAL = 16  # rollout.vllm.stream_interval's default, for engines built without a run's options
 
 
 class StreamingVllmEngine:
@@ -71,7 +99,7 @@ class StreamingVllmEngine:
                 "set rollout.streaming = false or model.lora.rank = 0"
             )
         model_dir = require_model_dir(Path(model_dir))
-        options = dict(options or {})
+        options = {"stream_interval": STREAM_INTERVAL} | dict(options or {})
         configure_env(options)
         from vllm.platforms import current_platform
 
@@ -83,7 +111,9 @@ class StreamingVllmEngine:
             max_model_len=max_model_len,
             options=options,
             cpu=current_platform.is_cpu(),
+            detokenize=spec.detokenize,
         )
+        self.detokenize = spec.detokenize
         self.max_model_len = int(self.kwargs["max_model_len"])
         self.version = 0
         self.last_reload_s = 0.0
@@ -92,7 +122,9 @@ class StreamingVllmEngine:
         self._keys: set[str] = set()  # requests in flight, as the caller sees them (under _lock)
         self._lock = threading.Lock()
         self._clock = BusyClock()
-        self._arrived = 0  # tokens handed over so far (what a pause waits to stop moving)
+        self._arrived = 0  # tokens handed over so far
+        # per request: (tokens vLLM had made, the version they came from) at each update since its last hand-over
+        self._marks: dict[str, list[tuple[int, int]]] = {}  # the loop's own
         self._updates = 0
         self._error: BaseException | None = None
         self._loop = asyncio.new_event_loop()
@@ -104,7 +136,14 @@ class StreamingVllmEngine:
         except Exception as e:
             self._stop_loop()
             raise self._died(e) from e
-        self.tokenizer = self.engine.get_tokenizer()
+        self.tokenizer = engine_tokenizer(self.engine, model_dir, spec.detokenize)
+        self.interval = int(self.kwargs.get("stream_interval") or 1)
+        if self.interval > 1 and processed_counts(self.engine) is None:
+            self.close()
+            raise EngineError(
+                "rollout.vllm.stream_interval: this vLLM release does not show how many tokens each request has "
+                "made, which an update needs to tag the held ones; set it to 1"
+            )
 
     async def _build(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -119,6 +158,7 @@ class StreamingVllmEngine:
 
     def submit(self, key: str, prompt_ids: list[int], sampling: SamplingSpec) -> None:
         check_prompts([prompt_ids], sampling, self.max_model_len)
+        refuse_stops(sampling, self.detokenize)
         self._raise_error()
         params = self._params(sampling)
         with self._lock:
@@ -136,6 +176,7 @@ class StreamingVllmEngine:
 
     def _forget(self, key: str) -> None:
         self._tasks.pop(key, None)
+        self._marks.pop(key, None)
         with self._lock:
             self._keys.discard(key)
             self._clock.set(in_flight=len(self._keys))
@@ -174,10 +215,9 @@ class StreamingVllmEngine:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, key):
                 o = out.outputs[0]
                 new = list(o.token_ids)
-                version = self.version  # read as the tokens arrive: a pause settles before it changes
+                versions.extend(self._versions(key, len(ids), len(new)))
                 ids.extend(new)
                 logprobs.extend(sampled_logprobs(o.logprobs, new))
-                versions.extend([version] * len(new))
                 text.append(o.text)
                 self._arrived += len(new)
                 if out.finished:
@@ -207,6 +247,18 @@ class StreamingVllmEngine:
                 ),
             )
         )
+
+    def _versions(self, key: str, start: int, n: int) -> list[int]:
+        """The versions of a request's tokens ``start .. start + n`` as they arrive: the version current now, but
+        the old one for those vLLM had made before an update (held back by the stream interval)."""
+        marks = self._marks.pop(key, None)
+        if not marks:
+            return [self.version] * n
+        out = [next((v for made, v in marks if i < made), self.version) for i in range(start, start + n)]
+        later = [m for m in marks if m[0] > start + n]
+        if later:
+            self._marks[key] = later
+        return out
 
     def finished(self, timeout: float) -> list[tuple[str, Completion]]:
         out: list[tuple[str, Completion]] = []
@@ -250,6 +302,9 @@ class StreamingVllmEngine:
             await self.engine.collective_rpc(
                 "shardrl_reload_weights", kwargs={"weights_path": str(weights_dir)}
             )
+            if self.interval > 1:  # with the version change below, nothing runs on the loop in between
+                for key, made in (processed_counts(self.engine) or {}).items():
+                    self._marks.setdefault(key, []).append((made, self.version))
             self.version = version
             self._updates += 1
         finally:
@@ -257,12 +312,19 @@ class StreamingVllmEngine:
             self._clock.set(paused=False)
 
     async def _settle(self) -> None:
-        """Wait until no token has arrived for two settle periods: those still on their way are the old
+        """Wait until no token has been processed for two settle periods: those still on their way are the old
         weights'."""
-        quiet, seen = 0, self._arrived
+        quiet, seen = 0, self._progress()
         while quiet < 2:
             await asyncio.sleep(SETTLE_S)
-            quiet, seen = (quiet + 1, seen) if self._arrived == seen else (0, self._arrived)
+            now = self._progress()
+            quiet, seen = (quiet + 1, seen) if now == seen else (0, now)
+
+    def _progress(self) -> int:
+        """Tokens processed so far: handed over, or made by vLLM's output processor when it holds some back."""
+        if self.interval == 1:
+            return self._arrived
+        return sum((processed_counts(self.engine) or {}).values())
 
     # ------------------------------------------------------------------ state
 

@@ -115,7 +115,7 @@ def test_vllm_on_cuda_serves_a_full_and_a_delta_version_hot_reloaded(
     published: Path, tiny_model_untied: Path
 ) -> None:
     from buffer.deltas import DELTA_RECORD
-    from rollout_worker.engines import SamplingSpec, make_engine
+    from rollout_worker.engines import EngineError, SamplingSpec, make_engine
 
     run = open_run(published)
     layout = run.layout
@@ -145,11 +145,11 @@ def test_vllm_on_cuda_serves_a_full_and_a_delta_version_hot_reloaded(
         )
         assert diff(ref1, out) < TOL < 3 * TOL < diff(base_ref, out)
 
-        engine.load_weights(delta)  # rebuilt by the node-local cache, the way a worker loads it
-        rebuilt = NodeCache.of_run(layout).ready(
-            3
-        )  # checked against the version's manifest when it was built
-        assert rebuilt is not None
+        with pytest.raises(EngineError, match="a delta version"):  # an engine loads whole weights only
+            engine.load_weights(delta)
+        # rebuilt by the node-local cache, the way a worker loads it (checked against the version's manifest)
+        rebuilt = NodeCache.of_run(layout).materialise(3)
+        engine.load_weights(rebuilt.path)
         out = engine.generate(ps, spec)
         ref3 = reference_model(rebuilt.path)
         print(f"v3 delta: {diff(ref3, out):.3e} (v1: {diff(ref1, out):.2f}), {engine.last_reload_s:.3f} s")
@@ -204,6 +204,7 @@ def streaming(tiny_model_untied: Path) -> Iterator[Any]:
         seed=0,
         max_model_len=MAX_MODEL_LEN + 256,
         vllm_options={**OPTIONS, "enforce_eager": False},
+        detokenize=False,  # what a worker builds for a run without stop strings
     )
     yield engine
     engine.close()

@@ -394,3 +394,18 @@ def test_sampled_logprobs_read_vllms_flat_container_and_its_list_of_dicts_alike(
     for (t, lp), other in zip((p.popitem() for p in positions), (7, 8, 6), strict=True):
         wide.append({other: Logprob(-0.1, 1), t: lp})
     assert sampled_logprobs(wide, ids) == [-0.5, -1.25, -2.0]
+
+
+def test_an_engine_built_without_a_tokenizer_refuses_stop_strings_in_one_line() -> None:
+    """A run that can carry no stop string builds vLLM without its tokenizer; a request with one is refused before
+    vLLM fails deep inside it, naming the setting."""
+    from rollout_worker.engines import EngineError, SamplingSpec
+    from rollout_worker.engines.vllm import refuse_stops
+
+    refuse_stops(SamplingSpec(stop=["\n"]), detokenize=True)
+    refuse_stops(SamplingSpec(), detokenize=False)
+    with pytest.raises(
+        EngineError, match=r"^rollout\.sampling\.stop: stop strings need the engine's tokenizer"
+    ) as e:
+        refuse_stops(SamplingSpec(stop=["\n"]), detokenize=False)
+    assert "\n" not in str(e.value)
