@@ -296,7 +296,7 @@ def _pretrain_answers(model: Any, opt: Any, tok: Any, task: str, steps: int, rep
         opt.zero_grad()
         loss.backward()
         opt.step()
-        report(step, float(loss))
+        report(step, float(loss.detach()))
 
 
 # Examples per step of the tool task's format pretraining, each with a fresh code and a fresh random answer.
@@ -324,7 +324,7 @@ def _pretrain_format(model: Any, opt: Any, tok: Any, steps: int, seed: int, repo
         opt.zero_grad()
         loss.backward()
         opt.step()
-        report(step, float(loss))
+        report(step, float(loss.detach()))
 
 
 def _lookup_examples(tok: Any, codes: list[int], rng: random.Random) -> list[tuple[list[int], list[int]]]:

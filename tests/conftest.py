@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One cache of built tiny bases for the whole run, shared by the two pytest-xdist processes and every process
+    they start (the lookup demo's base pretrains for minutes; `shardrl/runs.py`)."""
+    from shardrl.runs import CACHE_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ.setdefault(CACHE_ENV, str(shared / "tiny-cache"))
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +34,17 @@ def tiny_model_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from shardrl.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tied", tied=True)
+
+
+@pytest.fixture(scope="session")
+def lookup_base(_tiny_cache: None) -> Path:
+    """The base `shardrl demo --task lookup` starts from (the packaged lookup.toml's): the tiny model pretrained on the
+    tool call's format, so that it calls the tool (and answers at chance); read-only."""
+    from buffer.config import load_toml
+    from shardrl.demo import TASK_CONFIGS
+    from shardrl.runs import CACHE_ENV, cached_base
+
+    return cached_base(Path(os.environ[CACHE_ENV]), load_toml(TASK_CONFIGS["lookup"], {}))
 
 
 # `make test` spreads the suite over two pytest-xdist processes, a file at a time (a file's module fixtures, an

@@ -2,8 +2,9 @@
 the engine produced them, the trainer's planner and collate take the shard, and the trainer's recomputed logprobs on
 the model's tokens match the engine's within the tolerance single-turn meets, with nothing on the environment's.
 
-The tiny random model never writes a tool call of its own, so the environment here calls the tool on every turn
-(what a model that always calls one would get): the real engine, the real sandbox and the real chat template."""
+The engine-level tests use the tiny random model, which never writes a tool call of its own, so their environment
+calls the tool on every turn (what a model that always calls one would get). The worker test uses the lookup task's
+pretrained base, which does write the calls itself: its shards must hold real tool turns, not only the columns."""
 
 from __future__ import annotations
 
@@ -131,24 +132,32 @@ def test_multiturn_shard_from_a_real_engine_trains(
         assert diff < TOL
 
 
-def test_a_worker_with_tools_publishes_multiturn_shards(tiny_model_untied: Path, tmp_path: Path) -> None:
-    """The real worker process with ``env.tools``: its shards carry the multi-turn columns and validate."""
+def test_a_worker_with_tools_publishes_multiturn_shards(lookup_base: Path, tmp_path: Path) -> None:
+    """The real worker process with ``env.tools``, on the lookup demo's pretrained base, which calls the tool: its
+    shards hold episodes of a call, the tool's real result (masked) and an answer, with the multi-turn columns."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from rollout_worker.tasks import lookup
+
     from ._rollout_helpers import make_run, ready_rows, spawn, stop, tail, wait_for
 
     run = make_run(
         tmp_path / "run",
-        tiny_model_untied,
+        lookup_base,
         run={"heartbeat_interval_s": 0.5},
-        env={"tools": [f"{TOOLS}:lookup"], "max_turn_tokens": 6},
+        data={"task": "lookup", "max_prompt_length": 64},
+        reward={"function": "rollout_worker.tasks:lookup_reward"},
+        env={"tools": ["rollout_worker.tasks:lookup"], "max_turns": 2, "max_turn_tokens": 64},
         rollout={
             "engine": "hf",
-            "prompts_per_batch": 2,
-            "shard_samples": 4,
+            "prompts_per_batch": 4,
+            "shard_samples": 8,
             "flush_interval_s": 0.5,
             "max_backlog_samples": 1_000_000,
-            "sampling": {"n": 2, "max_response_length": 24},
+            "sampling": {"n": 2, "max_response_length": 96, "temperature": 0.6},
         },
-        data={"max_prompt_length": 64},
     )
     log = tmp_path / "worker.log"
     proc = spawn(["rollout_worker.worker", "--run", str(run.layout.root), "--slot", "0"], log)
@@ -169,6 +178,27 @@ def test_a_worker_with_tools_publishes_multiturn_shards(tiny_model_untied: Path,
         assert r["loss_mask"] is not None and len(r["loss_mask"]) == len(r["response_ids"])
         assert sum(r["turn_lengths"]) == len(r["response_ids"]) and r["turn_versions"][0] == 0
         assert json.loads(r["episode"])["model_turns"] >= 1
+    # Episodes that called the tool: the call, the tool's message (no loss, no version), then the answer.
+    called = [r for r in rows if json.loads(r["episode"])["tool_calls"] >= 1]
+    assert len(called) >= len(rows) // 2, [json.loads(r["episode"]) for r in rows]
+    tok = AutoTokenizer.from_pretrained(lookup_base)
+    copied = 0
+    for r in called:
+        assert json.loads(r["episode"])["model_turns"] == 2 and r["turn_versions"] == [0, -1, 0], r["episode"]
+        call, env, _ = r["turn_lengths"]
+        assert r["loss_mask"] == [1] * call + [0] * env + [1] * (len(r["response_ids"]) - call - env)
+        call_text = tok.decode(r["response_ids"][:call])
+        env_text = tok.decode(r["response_ids"][call : call + env])
+        asked = re.fullmatch(
+            r'<tool_call>\{"name":"lookup","arguments":\{"code":(\d+)\}\}</tool_call>.*', call_text, re.S
+        )
+        if asked is None:  # a malformed call is answered with the parser's error
+            assert "error" in env_text, (call_text, env_text)
+            continue
+        # the tool ran on the arguments the model wrote: the tool turn holds its result for them
+        assert f"\n{lookup(int(asked[1]))}<" in env_text, (call_text, env_text)
+        copied += int(asked[1]) == int(re.findall(r"\d{4}", r["prompt_text"])[-1])
+    assert copied >= 1  # and the base copies the prompt's code into its call
 
 
 def test_init_refuses_a_config_naming_a_missing_tool(tiny_model_untied: Path, tmp_path: Path) -> None:
