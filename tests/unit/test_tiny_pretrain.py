@@ -27,10 +27,10 @@ def _digit_probs(model_dir: Path, task: str) -> torch.Tensor:
         return model(ids).logits[:, -1].softmax(-1)[:, digits]
 
 
-def test_pretraining_teaches_the_answer_format_deterministically(tmp_path: Path) -> None:
+def test_pretraining_teaches_the_answer_format(tmp_path: Path) -> None:
     base = build_tiny_model(tmp_path / "base", tied=True)
     before = float(_digit_probs(base, "max_digit").sum(-1).mean())
-    taught, again = shutil.copytree(base, tmp_path / "taught"), shutil.copytree(base, tmp_path / "again")
+    taught = shutil.copytree(base, tmp_path / "taught")
     pretrain(taught, "mod_add", 200, seed=3)
     own = float(_digit_probs(taught, "mod_add").sum(-1).mean())
     after = _digit_probs(
@@ -41,9 +41,16 @@ def test_pretraining_teaches_the_answer_format_deterministically(tmp_path: Path)
         own,
         after.sum(-1),
     )
-    pretrain(again, "mod_add", 200, seed=3)
-    assert torch.equal(_digit_probs(again, "max_digit"), after)
     assert not list(taught.glob(".tmp*")) and (taught / "tokenizer.json").is_file()
+
+
+def test_pretraining_is_deterministic(tmp_path: Path) -> None:
+    """Twenty steps twice from the same base and seed give the same model to the bit, and one that moved."""
+    base = build_tiny_model(tmp_path / "base", tied=True)
+    for name in ("one", "two"):
+        pretrain(shutil.copytree(base, tmp_path / name), "mod_add", 20, seed=3)
+    one, two = (_digit_probs(tmp_path / name, "max_digit") for name in ("one", "two"))
+    assert torch.equal(one, two) and not torch.equal(one, _digit_probs(base, "max_digit"))
 
 
 def test_pretraining_needs_a_built_in_task(tmp_path: Path) -> None:
