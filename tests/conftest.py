@@ -101,3 +101,19 @@ def _skip_gpu_tests(items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+UNIT_BUDGET_S = 5.0  # tests/unit/conftest.py: a unit test's budget, reported at the end, never asserted
+_over_budget: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > UNIT_BUDGET_S and report.nodeid.startswith("tests/unit/"):
+        _over_budget.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _over_budget:
+        terminalreporter.section(f"unit tests over their {UNIT_BUDGET_S:.0f} s budget (reported, not failed)")
+        for nodeid, seconds in sorted(_over_budget, key=lambda x: -x[1]):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")

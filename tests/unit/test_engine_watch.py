@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from rollout_worker.lifecycle import EXIT_CRASH
 
 WORKER = textwrap.dedent(
@@ -47,6 +49,7 @@ def _alive(p: subprocess.Popen) -> bool:
     return p.poll() is None
 
 
+@pytest.mark.proc
 def test_only_the_engines_death_ends_the_worker() -> None:
     w = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True)
     try:

@@ -26,6 +26,8 @@ from trainer.data import Sample, _samples
 from .buffer_helpers import make_layout
 from .envs_helpers import TOOL_TEMPLATE, TOOLS, ScriptedModel, call
 
+pytestmark = pytest.mark.proc  # the tools run in sandbox processes
+
 SCRIPTS = {
     "What is alpha?": [call("lookup", key="alpha"), "7"],
     "Add 2 and 3, and read beta.": [

@@ -14,6 +14,8 @@ from rollout_worker.envs.tools import ToolCall, ToolConfigError, parse_tool_call
 
 from .envs_helpers import TOOLS
 
+pytestmark = pytest.mark.proc  # the tools run in sandbox processes
+
 
 def test_parser_reads_every_call_in_order() -> None:
     text = (

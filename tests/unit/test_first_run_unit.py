@@ -219,6 +219,7 @@ def _trainer_record(run: Any, **fields: Any) -> None:
     write_record(run.layout.trainer_status, TrainerStatus(**{**base, **fields}))
 
 
+@pytest.mark.proc
 def test_a_live_trainer_makes_a_second_one_refuse_without_takeover(tmp_path: Path) -> None:
     from buffer.fsio import HOST
     from trainer.takeover import live_trainer, refuse_live_trainer
@@ -306,6 +307,7 @@ def test_rollout_once_without_eval_is_refused(tmp_path: Path, capsys: pytest.Cap
     assert "--once is an option of --eval" in capsys.readouterr().err
 
 
+@pytest.mark.proc
 def test_tiny_model_help_does_not_talk_about_a_runs_config() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "shardrl.cli", "tiny-model", "--help"],

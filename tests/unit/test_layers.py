@@ -137,6 +137,7 @@ def test_buffer_imports_nothing_heavy_at_import_time() -> None:
     assert not bad, "; ".join(bad)
 
 
+@pytest.mark.proc
 def test_importing_every_buffer_module_loads_no_torch() -> None:
     mods = [_dotted(p) for p in _modules("buffer")]
     code = (

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from buffer import metrics
 
 
@@ -116,6 +118,7 @@ def test_wandb_sink_says_once_when_wandb_is_absent(tmp_path: Path, monkeypatch, 
     assert metrics.read_all(path)[0]["reward_mean"] == 0.5
 
 
+@pytest.mark.proc
 def test_wandb_sink_offline_groups_the_run_and_logs_numbers(tmp_path: Path, monkeypatch) -> None:
     import wandb  # in the dev extra: this test runs in every default run
 

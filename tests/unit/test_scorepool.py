@@ -21,6 +21,8 @@ from rollout_worker.prompts import EncodedPrompt, Prompt
 from rollout_worker.rewards import GroupRewards, RewardConfigError, Scorer
 from rollout_worker.scorepool import CALL_SAMPLES, ScorePool, ScorePoolClosed
 
+pytestmark = pytest.mark.proc  # the pool is reward processes
+
 FNS = "tests.unit._scorepool_rewards"
 LIMIT_S = 1.0  # for the functions that hang; the others get a limit a loaded test machine cannot reach
 

@@ -21,6 +21,7 @@ print("TORCH-IMPORTED" if "torch" in sys.modules else "NO-TORCH")
 """
 
 
+@pytest.mark.proc
 def test_help_needs_no_torch_and_documents_every_option_once() -> None:
     out = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True

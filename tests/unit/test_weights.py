@@ -167,6 +167,7 @@ def test_commit_gives_every_file_the_run_file_mode(tmp_path):
     assert stat.S_IMODE((v.path / "model.safetensors").stat().st_mode) == fsio.modes().file
 
 
+@pytest.mark.proc
 def test_fsck_finds_empty_temporaries_anywhere_and_abandoned_staging(tmp_path):
     from buffer.config import ShardRLConfig
     from buffer.fsck import fsck
