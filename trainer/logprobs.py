@@ -20,6 +20,56 @@ from trainer.attention import PackedRow, pack, packed_row, packing_kwargs, unpac
 from trainer.sharding import reshard
 
 
+class TopK:
+    """The reference's ``k`` most likely next tokens at each scored position, for the KL over them (``topk_kl``).
+
+    A reference pass given an empty ``TopK`` fills ``index`` / ``logp`` [N, k] and ``rest`` [N] (the log of the
+    probability outside those k tokens), one row per scored token in the order the head scores them (row-major over
+    the wanted tokens, the order of ``input_ids[want]``); an actor pass over the same batch given the filled one
+    writes ``kl`` [B, T], its KL to the reference at every scored token, with grad (0 elsewhere).
+
+    A plain class, not a dataclass: FSDP rebuilds the dataclasses among a forward's inputs (to cast their tensors),
+    and the pass must write into this very object.
+    """
+
+    __slots__ = ("index", "k", "kl", "logp", "rest")
+
+    def __init__(
+        self,
+        k: int,
+        index: torch.Tensor | None = None,
+        logp: torch.Tensor | None = None,
+        rest: torch.Tensor | None = None,
+    ):
+        self.k, self.index, self.logp, self.rest = k, index, logp, rest
+        self.kl: torch.Tensor | None = None
+
+
+def topk_kl(
+    logp_all: torch.Tensor, index: torch.Tensor, ref_logp: torch.Tensor, ref_rest: torch.Tensor
+) -> torch.Tensor:
+    """KL(pi || ref) over the reference's top-k tokens plus one bin for the rest of the vocabulary.
+
+    ``logp_all`` [n, V] the policy's log-softmax, ``index`` / ``ref_logp`` [n, k] the reference's top tokens and
+    their logprobs, ``ref_rest`` [n] the log of its mass outside them -> [n].  Merging tokens into one bin can only
+    lower a KL, so this is at most the exact KL over the vocabulary, and equal to it when the two distributions agree
+    on how the rest's mass is spread.  Unlike an estimate from the sampled token alone, it sees a probability move
+    between tokens that are never sampled: a margin of the reference's choice eroding while that choice still holds
+    almost all the mass.
+    """
+    lp = logp_all.gather(1, index)
+    rest = _rest(logp_all, index)
+    inside = (lp.exp() * (lp - ref_logp)).sum(1)
+    outside = torch.where(torch.isfinite(rest), rest.exp() * (rest - ref_rest), torch.zeros_like(rest))
+    return inside + outside
+
+
+def _rest(logp_all: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log of the probability outside ``index`` [n, k], per row of ``logp_all`` [n, V]: a logsumexp over the rest,
+    exact where 1 - sum(top) would cancel."""
+    return torch.logsumexp(logp_all.scatter(1, index, float("-inf")), dim=1)
+
+
 def _head_chunk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -27,17 +77,34 @@ def _head_chunk(
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, H] hidden states -> (logprob of ``targets`` [n], entropy [n]), both fp32; logits live only in here."""
+    ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, H] hidden states -> (logprob of ``targets`` [n], entropy [n], KL to ``ref`` [n]), all fp32; logits live
+    only in here.  ``ref``: the reference's (index, logp, rest) rows of these positions (see ``TopK``)."""
     logits = F.linear(hidden, weight, bias).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    kl = torch.zeros_like(logp) if ref is None else topk_kl(logits - lse.unsqueeze(-1), *ref)
     if not with_entropy:
-        return logp, torch.zeros_like(logp)
+        return logp, torch.zeros_like(logp), kl
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
+    return logp, entropy, kl
+
+
+@torch.no_grad()
+def _top_chunk(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, H] hidden states -> the ``k`` most likely tokens [n, k], their logprobs [n, k] and the log of the mass
+    outside them [n], at ``temperature``."""
+    logits = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    top = logp_all.topk(min(k, logp_all.shape[-1] - 1), dim=-1)  # one token at least in the rest's bin
+    return top.indices, top.values, _rest(logp_all, top.indices)
 
 
 def head_logprobs_and_entropy(
@@ -49,12 +116,15 @@ def head_logprobs_and_entropy(
     chunk: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    topk: TopK | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the LM head chunk by chunk to the positions that predict the tokens marked in ``want``.
 
     ``hidden`` [B, T, H] final hidden states, ``input_ids`` and ``want`` [B, T] -> (logp, entropy) [B, T] fp32,
     zero where ``want`` is false or t = 0.  With grad, each chunk runs under ``torch.utils.checkpoint``: only its
     [n, H] input is kept and its logits are recomputed in backward, so at most one chunk of logits is alive.
+    ``topk``: an empty one is filled with this model's top tokens (the reference's pass); a filled one gets the
+    KL to them in ``topk.kl`` (the actor's pass), see ``TopK``.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -67,13 +137,25 @@ def head_logprobs_and_entropy(
     weight = cast(torch.Tensor, head.weight)
     bias = cast("torch.Tensor | None", getattr(head, "bias", None))
     grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    logps, ents = [], []
+    if topk is not None and topk.index is None:
+        _fill_top(topk, h, weight, bias, temperature, chunk)
+        topk = None
+    elif topk is not None and topk.index is not None and topk.index.shape[0] != h.shape[0]:
+        raise ValueError(
+            f"the reference's top tokens cover {topk.index.shape[0]} positions, this pass scores {h.shape[0]}: "
+            "they must come from the same batch"
+        )
+    logps, ents, kls = [], [], []
     for s in range(0, h.shape[0], chunk):
-        args = (h[s : s + chunk], weight, bias, targets[s : s + chunk], temperature, with_entropy)
-        lp, en = checkpoint(_head_chunk, *args, use_reentrant=False) if grad else _head_chunk(*args)
+        ref = None if topk is None else _rows(topk, s, s + chunk)
+        args = (h[s : s + chunk], weight, bias, targets[s : s + chunk], temperature, with_entropy, ref)
+        lp, en, kl = checkpoint(_head_chunk, *args, use_reentrant=False) if grad else _head_chunk(*args)
         logps.append(lp)
         ents.append(en)
+        kls.append(kl)
     zeros = torch.zeros(want.shape, dtype=torch.float32, device=hidden.device)
+    if topk is not None:
+        topk.kl = zeros.masked_scatter(want, torch.cat(kls)) if kls else zeros.clone()
     if not logps:
         if grad:
             # Nothing wanted: an empty micro-batch that keeps this rank in step with the others.  Its backward must
@@ -82,6 +164,29 @@ def head_logprobs_and_entropy(
             zeros = zeros + 0.0 * anchor.float()
         return zeros, zeros.clone()
     return zeros.masked_scatter(want, torch.cat(logps)), zeros.masked_scatter(want, torch.cat(ents))
+
+
+def _fill_top(
+    topk: TopK,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    chunk: int,
+) -> None:
+    parts = [
+        _top_chunk(h[s : s + chunk], weight, bias, temperature, topk.k) for s in range(0, h.shape[0], chunk)
+    ]
+    k = min(topk.k, weight.shape[0] - 1)
+    empty = (h.new_zeros((0, k), dtype=torch.long), h.new_zeros((0, k), dtype=torch.float32))
+    topk.index = torch.cat([p[0] for p in parts]) if parts else empty[0]
+    topk.logp = torch.cat([p[1] for p in parts]) if parts else empty[1]
+    topk.rest = torch.cat([p[2] for p in parts]) if parts else h.new_zeros(0, dtype=torch.float32)
+
+
+def _rows(topk: TopK, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    assert topk.index is not None and topk.logp is not None and topk.rest is not None
+    return topk.index[lo:hi], topk.logp[lo:hi], topk.rest[lo:hi]
 
 
 def _lm_logprobs_and_entropy(
@@ -94,6 +199,7 @@ def _lm_logprobs_and_entropy(
     temperature: float,
     with_entropy: bool,
     packed: PackedRow | None = None,
+    topk: TopK | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = lm.base_model(
         input_ids=input_ids,
@@ -119,6 +225,7 @@ def _lm_logprobs_and_entropy(
         chunk=chunk,
         temperature=temperature,
         with_entropy=with_entropy,
+        topk=topk,
     )
 
 
@@ -176,8 +283,13 @@ class Actor(nn.Module):
         with_entropy: bool = True,
         packed: PackedRow | None = None,
         shard: seqpar.Shard | None = None,
+        topk: TopK | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if shard is not None:  # the inputs are the shard's; the others are not read
+            if topk is not None:
+                raise ValueError(
+                    "a KL over the reference's top tokens is not computed on sequence-parallel shards"
+                )
             return _lm_shard_logprobs_and_entropy(self.lm, shard, chunk, temperature, with_entropy)
         return _lm_logprobs_and_entropy(
             self.lm,
@@ -189,6 +301,7 @@ class Actor(nn.Module):
             temperature,
             with_entropy,
             packed,
+            topk,
         )
 
 
@@ -203,6 +316,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     packed: PackedRow | None = None,
+    topk: TopK | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs and entropies of ``input_ids`` under ``model`` (an ``Actor`` or a plain HF causal LM).
 
@@ -212,7 +326,8 @@ def token_logprobs_and_entropy(
     ``temperature``, ``entropy[b, t]`` the entropy of that next-token distribution; 0 at t = 0, where a position id
     is 0, and wherever the token is not wanted.  The LM head runs over ``chunk`` tokens at a time (see
     ``head_logprobs_and_entropy``).  A packed row is [1, N] with ``position_ids`` restarting per sequence and
-    ``packed`` its sequence boundaries (see ``batch_logprobs``).
+    ``packed`` its sequence boundaries (see ``batch_logprobs``).  ``topk``: see ``TopK`` (its ``kl`` comes back in
+    this call's layout).
     """
     if isinstance(model, Actor):
         out = model(
@@ -224,6 +339,7 @@ def token_logprobs_and_entropy(
             temperature=temperature,
             with_entropy=with_entropy,
             packed=packed,
+            topk=topk,
         )
         if not torch.is_grad_enabled():
             reshard(model)  # no backward will free the root's gathered weights
@@ -238,6 +354,7 @@ def token_logprobs_and_entropy(
         temperature,
         with_entropy,
         packed,
+        topk,
     )
 
 
@@ -249,19 +366,30 @@ def batch_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = True,
     sp: seqpar.SPGroup | None = None,
+    topk: TopK | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs_and_entropy`` of a collated micro-batch (``trainer.batching.collate``), packed or padded.
 
     Returns ``(logp, entropy)`` [B, T] in the padded layout either way, 0 on padding and unwanted tokens.  ``sp``:
     the sequence-parallel group of a packed micro-batch, whose ranks each run a chunk of the row and all return the
-    whole row's outputs.
+    whole row's outputs.  ``topk``: see ``TopK``; its ``kl`` comes back [B, T] in the padded layout too.
     """
     opts: dict[str, Any] = {"chunk": chunk, "temperature": temperature, "with_entropy": with_entropy}
     if sp is not None and "packed_ids" in batch:
+        if topk is not None:
+            raise ValueError(
+                "a KL over the reference's top tokens is not computed on sequence-parallel shards"
+            )
         return _sharded_batch_logprobs(model, batch, sp, opts)
     if "packed_ids" not in batch:
         return token_logprobs_and_entropy(
-            model, batch["input_ids"], batch["attention_mask"], None, batch["response_mask"], **opts
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            None,
+            batch["response_mask"],
+            topk=topk,
+            **opts,
         )
     logp, ent = token_logprobs_and_entropy(
         model,
@@ -270,8 +398,11 @@ def batch_logprobs(
         batch["packed_positions"],
         pack(batch["response_mask"], batch),
         packed=packed_row(batch),
+        topk=topk,
         **opts,
     )
+    if topk is not None and topk.kl is not None:
+        topk.kl = unpack(topk.kl, batch)
     return unpack(logp, batch), unpack(ent, batch)
 
 

@@ -494,7 +494,19 @@ def kl_loss(
     ``logp`` (with grad), ``ref_logp``, ``mask`` [B, T] -> ``(loss, {"kl_ref": masked token-mean, detached})``.
     """
     kl_tok = kl_estimate(logp, ref_logp.detach(), kind)
-    loss = coef * aggregate(kl_tok, mask, agg_mode, global_tokens, global_seqs, norm_length)
+    return kl_penalty(kl_tok, mask, coef, agg_mode, Normalisers(global_tokens, global_seqs, norm_length))
+
+
+def kl_penalty(
+    kl_tok: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    agg_mode: AggMode,
+    norms: Normalisers = Normalisers(),
+) -> tuple[torch.Tensor, Metrics]:
+    """``coef * aggregate(kl_tok)`` for a per-token KL already computed (with grad), e.g. over the reference's top
+    tokens (``trainer.logprobs.topk_kl``).  [B, T], [B, T] -> ``(loss, {"kl_ref": masked token-mean})``."""
+    loss = coef * aggregate(kl_tok, mask, agg_mode, norms.tokens, norms.seqs, norms.length)
     return loss, {"kl_ref": masked_mean(kl_tok.detach(), mask)}
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +62,7 @@ from trainer import ppo
 from trainer import sequence_parallel as seqpar
 from trainer.batching import assign_to_ranks, batch_to, collate, microbatches, split_updates
 from trainer.data import Sample
-from trainer.logprobs import batch_logprobs
+from trainer.logprobs import TopK, batch_logprobs
 from trainer.model import batch_values
 from trainer.optim import clip_grad_norm_
 
@@ -275,7 +275,7 @@ def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[
 
 
 def _logp(
-    model: torch.nn.Module, b: Batch, cfg: ShardRLConfig, with_entropy: bool
+    model: torch.nn.Module, b: Batch, cfg: ShardRLConfig, with_entropy: bool, topk: TopK | None = None
 ) -> tuple[torch.Tensor, ...]:
     return batch_logprobs(
         model,
@@ -284,7 +284,32 @@ def _logp(
         temperature=sampling_temperature(cfg),
         with_entropy=with_entropy,
         sp=_sp(cfg),
+        topk=topk,
     )
+
+
+# The reference's top tokens of a micro-batch, for kl_estimator = "topk": kept on the batch between prepare and the
+# loss under these keys (TopK's index, logp and rest).
+_TOPK_KEYS = ("ref_top_index", "ref_top_logp", "ref_top_rest")
+
+
+def _reference_pass(cfg: ShardRLConfig, models: Models, b: Batch) -> None:
+    """The reference's logprobs of the batch's tokens, and with kl_estimator = "topk" its top tokens."""
+    assert models.reference is not None
+    a = cfg.algorithm
+    top = TopK(a.kl_top_k) if a.kl_estimator == "topk" else None
+    b["ref_logp"] = _logp(models.reference, b, cfg, with_entropy=False, topk=top)[0]
+    if top is not None:
+        assert top.index is not None and top.logp is not None and top.rest is not None  # the pass filled it
+        b.update(zip(_TOPK_KEYS, (top.index, top.logp, top.rest), strict=True))
+
+
+def _topk_of(cfg: ShardRLConfig, b: Batch) -> TopK | None:
+    """The reference's top tokens ``prepare`` kept on ``b``, for the actor's pass to write its KL into."""
+    if cfg.algorithm.kl_estimator != "topk" or _TOPK_KEYS[0] not in b:
+        return None
+    index, logp, rest = (b[k] for k in _TOPK_KEYS)
+    return TopK(cfg.algorithm.kl_top_k, index=index, logp=logp, rest=rest)
 
 
 def _kl_in_reward(cfg: ShardRLConfig) -> bool:
@@ -307,7 +332,10 @@ def _token_rewards(cfg: ShardRLConfig, models: Models, b: Batch, m: dict[str, to
     mask = b["response_mask"]
     rewards = ppo.scalar_reward_to_tokens(b["rewards"], mask)
     if _kl_in_reward(cfg):
-        kl = ppo.kl_estimate(b["prox_logp"], b["ref_logp"], cfg.algorithm.kl_estimator) * mask
+        kind = cast(
+            ppo.KLKind, cfg.algorithm.kl_estimator
+        )  # the config refuses "topk" with kl_mode = "reward"
+        kl = ppo.kl_estimate(b["prox_logp"], b["ref_logp"], kind) * mask
         rewards = rewards - _kl_coef(cfg, models) * kl
         m["kl_ref"] = ppo.masked_mean(kl, mask)
     return rewards
@@ -369,7 +397,7 @@ def prepare(cfg: ShardRLConfig, models: Models, minis: list[MiniBatch], metrics:
     for mini in minis:
         for i, b in enumerate(mini.batches):
             if models.reference is not None:
-                b["ref_logp"] = _logp(models.reference, b, cfg, with_entropy=False)[0]
+                _reference_pass(cfg, models, b)
             if need_prox:
                 b["prox_logp"] = _logp(models.actor, b, cfg, with_entropy=False)[0]
             if targets is not None:
@@ -439,7 +467,8 @@ def _microbatch_loss(
     a = cfg.algorithm
     # The entropy is computed only when it is in the loss: inside the checkpointed LM-head chunks it would otherwise
     # be recomputed in backward just for a metric (measured: ~4% of a 1.5B step on H200).
-    logp, ent = _logp(models.actor, b, cfg, with_entropy=a.entropy_coef > 0)
+    top = _topk_of(cfg, b)
+    logp, ent = _logp(models.actor, b, cfg, with_entropy=a.entropy_coef > 0, topk=top)
     mask = b["response_mask"]
     loss, m = _policy_terms(cfg, logp, b, b.get("prox_logp", logp.detach()), counts)
     if a.entropy_coef > 0:
@@ -448,7 +477,11 @@ def _microbatch_loss(
         m.update(em)
     if "ref_logp" in b and a.kl_mode == "loss":
         coef = _kl_coef(cfg, models)
-        kl_loss, km = ppo.kl_loss(logp, b["ref_logp"], mask, coef, a.kl_estimator, a.loss_agg, *counts)
+        if top is not None and top.kl is not None:
+            kl_loss, km = ppo.kl_penalty(top.kl, mask, coef, a.loss_agg, counts)
+        else:
+            kind = cast(ppo.KLKind, a.kl_estimator)  # "topk" is computed above, whenever a reference pass ran
+            kl_loss, km = ppo.kl_loss(logp, b["ref_logp"], mask, coef, kind, a.loss_agg, *counts)
         loss = loss + kl_loss
         m.update(km)
     m["mismatch_kl"] = ppo.mismatch_kl(logp.detach(), b["behaviour_logp"], mask)

@@ -56,7 +56,16 @@ class AlgorithmConfig(_Section):
         "trainer.samples_per_step.",
     )
     kl_mode: Literal["loss", "reward"] = Field("loss", description=_KL_MODE)
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_estimator: Literal["k1", "k2", "k3", "topk"] = Field(
+        "k3",
+        description="KL estimator: k1, k2 or k3 from the sampled token's logprobs alone; topk: the KL between the "
+        "two next-token distributions over the reference's kl_top_k most likely tokens and one bin for the rest "
+        "(a lower bound of the exact KL), which also pulls back probability that moved between tokens never "
+        "sampled (a learnt format's margins eroding); costs a [tokens x kl_top_k] tensor per micro-batch.",
+    )
+    kl_top_k: int = Field(
+        64, ge=1, le=4096, description="topk KL: the reference's most likely tokens kept per position."
+    )
     loss_agg: LossAgg = Field(
         "token-mean",
         description="How token losses are aggregated; seq-mean-token-sum-norm divides each sequence's sum by "

@@ -201,6 +201,21 @@ def _rule_sequence_parallel_packs(cfg: ShardRLConfig) -> str | None:
     )
 
 
+def _rule_topk_kl_is_a_loss(cfg: ShardRLConfig) -> str | None:
+    # The top-k KL is computed inside the actor's own pass, with grad: it is a loss term, over whole rows.
+    a, t = cfg.algorithm, cfg.trainer
+    if a.kl_estimator != "topk":
+        return None
+    if a.kl_mode != "loss":
+        return "algorithm.kl_estimator = 'topk' needs algorithm.kl_mode = 'loss' (k1, k2 or k3 with 'reward')"
+    if t.sequence_parallel != 1:
+        return (
+            f"algorithm.kl_estimator = 'topk' with trainer.sequence_parallel = {t.sequence_parallel}: it is computed "
+            "over whole rows only; use k1, k2 or k3"
+        )
+    return None
+
+
 def _rule_streaming_without_lora(cfg: ShardRLConfig) -> str | None:
     # An adapter version loaded in flight would need the old adapter resident until its requests end.
     if not cfg.rollout.streaming or cfg.model.lora.rank == 0:
@@ -253,6 +268,7 @@ RULES = (
     _rule_vllm_token_budget,
     _rule_kl_horizon_spans_a_step,
     _rule_sequence_parallel_packs,
+    _rule_topk_kl_is_a_loss,
     _rule_env_turn_fits_response,
     _rule_env_prompts_from_verifiers,
     _rule_verifiers_rubric_scores,

@@ -7,19 +7,17 @@ answers at chance; GRPO on whole episodes (the call, the tool's message masked o
 answer with what the tool returned.  The evaluator scores greedy episodes on 100 held-out codes that training never
 draws, from the *published* weights.
 
-The run is the packaged lookup.toml unchanged, stopped early (``--until-accuracy``) once a version scores 0.6, else
-after 200 steps.  Greedy accuracy takes off suddenly, and when depends on the data's order: measured first past 0.8
-at version 70 in three runs, 342-378 s after the command started (figures in README.md), and at version 90 in
-another; one run was still at 0.4 at version 100.  So the run is not cut at a fixed step near the take-off, and in
-the usual case it ends sooner than its 100 steps would.
+The run is the packaged lookup.toml unchanged, stopped early (``--until-accuracy``) once a version scores 0.8, else
+after 200 steps.  Greedy accuracy takes off suddenly, and when depends on the data's order (first past 0.8 between
+versions 60 and 90 in the runs in README.md), so the run is not cut at a fixed step near the take-off.
 
-What is held is the learning: from chance at version 0 to a version scored at 0.6 or more (0.8 was the bar once;
-a run in the two-process suite reached 0.66 at version 60 and then read 0.0 from version 70 on, the flip below).  The last version is
-printed, not held to a bar: greedy decoding of this tiny policy can flip at one position of the call prefix every
-episode shares, so one update can take all 100 held-out episodes with it (measured: 0.84 at version 60, then 0.0 at
-version 64, whose greedy call reads ``"loookup"``, while the trainer's last step saw a mean reward of 0.76 on
-samples drawn at temperature 0.6 from the versions just before).  ``demo_summary.json`` names the best version for
-that reason.
+The bar was 0.6 for a while: with the KL to the reference estimated from the sampled token alone (k3), the call's
+logit margins eroded silently while the answer was learnt (the smallest margin over the call's fixed part, 9.06 in
+the base, 3.63 after 150 steps of a healthy run), until one update flipped a position of the call every episode
+shares (``"loololoo..."``): every call failed, every group scored 0, and GRPO had nothing left to learn from (one
+suite run read 0.12 at version 30 and 0.0 from version 40 to 200).  lookup.toml now takes the KL over the
+reference's top tokens (``algorithm.kl_estimator = "topk"``), which sees the margins erode (6.33 after 120 steps);
+bench/stability.py runs the demo five times against the bar of the tool demo (README.md gives its figures).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from buffer.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 200  # at most: the run stops at the first evaluated version at UNTIL
-UNTIL = 0.6
+UNTIL = 0.8
 START_BELOW = 0.25  # greedy accuracy of version 0: chance is 0.1 (measured 0.13 in every run)
 
 
