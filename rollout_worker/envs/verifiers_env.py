@@ -56,9 +56,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib
 import itertools
 import json
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -108,7 +110,35 @@ def _verifiers() -> Any:
         raise VerifiersConfigError(
             "env.verifiers: needs the verifiers extra (pip install -e '.[verifiers]')"
         ) from None
+    _scripts_run_here()
     return vf
+
+
+def _scripts_run_here() -> None:
+    """verifiers' subprocess runtimes run their PEP 723 programs (the chat program of its built-in ``bash`` and
+    ``null`` harnesses) with this interpreter, instead of an interpreter that ``uv`` provisions from the network.
+
+    A cluster node often reaches no package index, and then every episode failed ("failed to prepare uv script:
+    curl: (6) Could not resolve host") while the worker produced nothing; this interpreter already has the chat
+    program's packages, which verifiers itself depends on.  Only subprocess runtimes change: the others (docker,
+    remote sandboxes) run programs on their own machines, where this interpreter does not exist.
+    """
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    if getattr(SubprocessRuntime.prepare_uv_script, "runs_here", False):
+        return
+
+    async def prepare_uv_script(
+        self: Any, script: str | bytes, env: dict[str, str] | None = None, *, activate: bool = True
+    ) -> list[str]:
+        data = script.encode() if isinstance(script, str) else script
+        folder = self.scripts_dir if self.user is None else f"{self.scripts_dir}-{self.user}"
+        path = f"{folder}/{hashlib.sha256(data).hexdigest()}.py"
+        await self.write(path, data)
+        return [sys.executable, path]
+
+    prepare_uv_script.runs_here = True  # type: ignore[attr-defined]
+    SubprocessRuntime.prepare_uv_script = prepare_uv_script  # type: ignore[method-assign]
 
 
 def load_env(spec: str, args: Mapping[str, Any] | None = None) -> Any:

@@ -47,6 +47,7 @@ from .test_endpoint import TOL, ToolCallFirst, batched, model_logprob_gap, row_t
 
 HERE = Path(__file__).parent
 ENV = "_verifiers_envs"  # the taskset id: verifiers resolves ids as top-level modules
+PLAIN = "_verifiers_plain"  # a taskset without a harness of its own
 LOCAL = {"agent": {"runtime": {"type": "subprocess"}}}  # the harness runs here, not in a remote sandbox
 
 
@@ -176,6 +177,38 @@ def test_single_turn_rows_are_the_engines_ids_scored_by_the_rubric(engine: HFEng
     stored(rows, tmp_path, len(engine.tokenizer))
     # a prompt that is not one of the taskset's runs nothing and drops its group, one line saying why
     assert not foreign.groups and "not task 5" in foreign.errors[0]
+
+
+def test_a_taskset_without_a_harness_plays_with_verifiers_bash_harness_offline(
+    engine: HFEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verifiers' default harness (``bash``) provisions its chat program with ``uv`` (installed with pip, else
+    downloaded) and the program's packages from the network: a node without one (here: an empty home, so no uv, and
+    every proxy a closed port, so neither pip nor curl gets out) failed every episode.  The worker runs the program
+    with its own interpreter instead."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(var, "127.0.0.1,localhost")  # the endpoint and verifiers' interception server
+    args = {**LOCAL, "taskset": {"num_tasks": 2}}
+    task = VerifiersTask(
+        config(max_turn_tokens=24), engine.tokenizer, PLAIN, env_args=args, chat_template=TEMPLATE
+    )
+    harnesses = task.env.config.agent_harnesses()
+    assert [type(h).__name__ for h in harnesses.values()] == ["BashHarnessConfig"]  # verifiers' own default
+    complete = Recorder(batched(engine))
+    try:
+        scored, _ = run(task, complete, task.prompts(), n=1)
+    finally:
+        complete.complete.close()
+        task.close()
+    rows = [r for g in scored.groups for r in g]
+    assert not scored.errors and len(rows) == 2, scored.errors
+    for r in rows:
+        record = json.loads(r["episode"])
+        assert "error" not in record, record
+        assert record["verifiers"]["stop"] == "agent_completed" and record["verifiers"]["turns"] >= 1
 
 
 def test_tool_episode_through_the_mcp_server_is_one_masked_sample(
