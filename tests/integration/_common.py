@@ -7,13 +7,14 @@ The run builders live beside the processes they serve (``_rollout_helpers.make_r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -102,3 +103,20 @@ def publish_model(layout: RunLayout, model_dir: Path, version: int, step: int) -
     for f in [*sorted(model_dir.glob("*.safetensors")), model_dir / "config.json"]:
         shutil.copy(f, staging / f.name)
     weights.commit_version(layout, version, staging, step=step, dtype="float32")
+
+
+@contextlib.contextmanager
+def importable(where: Path) -> Iterator[None]:
+    """Modules in ``where`` importable here and in the processes started meanwhile (a tool's sandbox, an MCP server):
+    on ``sys.path`` and ``PYTHONPATH``, both restored after."""
+    before = os.environ.get("PYTHONPATH")
+    sys.path.insert(0, str(where))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(where), before) if p)
+    try:
+        yield
+    finally:
+        sys.path.remove(str(where))
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +40,7 @@ from shardrl.runs import init_run
 
 from ..unit.buffer_helpers import make_layout
 from ..unit.test_envs_calls import TEMPLATE
+from ._common import importable
 from ._rollout_helpers import ready_rows, spawn, stop, tail, wait_for
 from .test_endpoint import TOL, ToolCallFirst, batched, model_logprob_gap, row_turns
 
@@ -53,16 +52,9 @@ LOCAL = {"agent": {"runtime": {"type": "subprocess"}}}  # the harness runs here,
 
 @pytest.fixture(scope="module", autouse=True)
 def envs_importable() -> Iterator[None]:
-    """The helper module importable by its id, here and in the tool server's process."""
-    before = os.environ.get("PYTHONPATH")
-    sys.path.insert(0, str(HERE))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), before) if p)
-    yield
-    sys.path.remove(str(HERE))
-    if before is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = before
+    """The helper modules importable by their ids, here and in the tool server's process."""
+    with importable(HERE):
+        yield
 
 
 @pytest.fixture(scope="module")
