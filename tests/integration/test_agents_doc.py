@@ -162,3 +162,11 @@ def test_the_verifiers_example(
         record = json.loads(r["episode"])
         assert "error" not in record and record["verifiers"]["stop"] == "agent_completed", record
         assert set(record["verifiers"]["rewards"]) == {"reversed_word"}
+
+
+def test_the_readmes_verifiers_example_is_the_one_run_here() -> None:
+    readme = (ROOT / "README.md").read_text()
+    indented = "".join(
+        ("  " + line if line.strip() else line) for line in doc_files()["spelling.toml"].splitlines(True)
+    )
+    assert indented in readme
