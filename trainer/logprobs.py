@@ -70,6 +70,14 @@ def _rest(logp_all: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logp_all.scatter(1, index, float("-inf")), dim=1)
 
 
+def _logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """[n, H] hidden states -> [n, V] fp32 logits at ``temperature``."""
+    logits = F.linear(hidden, weight, bias).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def _head_chunk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -78,15 +86,14 @@ def _head_chunk(
     temperature: float,
     with_entropy: bool,
     ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[n, H] hidden states -> (logprob of ``targets`` [n], entropy [n], KL to ``ref`` [n]), all fp32; logits live
-    only in here.  ``ref``: the reference's (index, logp, rest) rows of these positions (see ``TopK``)."""
-    logits = F.linear(hidden, weight, bias).float()
-    if temperature != 1.0:
-        logits = logits / temperature
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """[n, H] hidden states -> (logprob of ``targets`` [n], entropy [n], KL to ``ref`` [n] or None without one), all
+    fp32; logits live only in here.  ``ref``: the reference's (index, logp, rest) rows of these positions (see
+    ``TopK``)."""
+    logits = _logits(hidden, weight, bias, temperature)
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    kl = torch.zeros_like(logp) if ref is None else topk_kl(logits - lse.unsqueeze(-1), *ref)
+    kl = None if ref is None else topk_kl(logits - lse.unsqueeze(-1), *ref)
     if not with_entropy:
         return logp, torch.zeros_like(logp), kl
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
@@ -99,10 +106,7 @@ def _top_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[n, H] hidden states -> the ``k`` most likely tokens [n, k], their logprobs [n, k] and the log of the mass
     outside them [n], at ``temperature``."""
-    logits = F.linear(hidden, weight, bias).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
+    logp_all = torch.log_softmax(_logits(hidden, weight, bias, temperature), dim=-1)
     top = logp_all.topk(min(k, logp_all.shape[-1] - 1), dim=-1)  # one token at least in the rest's bin
     return top.indices, top.values, _rest(logp_all, top.indices)
 
@@ -152,7 +156,8 @@ def head_logprobs_and_entropy(
         lp, en, kl = checkpoint(_head_chunk, *args, use_reentrant=False) if grad else _head_chunk(*args)
         logps.append(lp)
         ents.append(en)
-        kls.append(kl)
+        if kl is not None:
+            kls.append(kl)
     zeros = torch.zeros(want.shape, dtype=torch.float32, device=hidden.device)
     if topk is not None:
         topk.kl = zeros.masked_scatter(want, torch.cat(kls)) if kls else zeros.clone()
@@ -174,14 +179,10 @@ def _fill_top(
     temperature: float,
     chunk: int,
 ) -> None:
-    parts = [
-        _top_chunk(h[s : s + chunk], weight, bias, temperature, topk.k) for s in range(0, h.shape[0], chunk)
-    ]
-    k = min(topk.k, weight.shape[0] - 1)
-    empty = (h.new_zeros((0, k), dtype=torch.long), h.new_zeros((0, k), dtype=torch.float32))
-    topk.index = torch.cat([p[0] for p in parts]) if parts else empty[0]
-    topk.logp = torch.cat([p[1] for p in parts]) if parts else empty[1]
-    topk.rest = torch.cat([p[2] for p in parts]) if parts else h.new_zeros(0, dtype=torch.float32)
+    # An empty pass still gets tensors of the right shapes: one chunk of no rows.
+    starts = range(0, h.shape[0], chunk) or range(1)
+    parts = [_top_chunk(h[s : s + chunk], weight, bias, temperature, topk.k) for s in starts]
+    topk.index, topk.logp, topk.rest = (torch.cat(column) for column in zip(*parts, strict=True))
 
 
 def _rows(topk: TopK, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,11 +286,9 @@ class Actor(nn.Module):
         shard: seqpar.Shard | None = None,
         topk: TopK | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if shard is not None:  # the inputs are the shard's; the others are not read
-            if topk is not None:
-                raise ValueError(
-                    "a KL over the reference's top tokens is not computed on sequence-parallel shards"
-                )
+        if (
+            shard is not None
+        ):  # the inputs are the shard's, the others unread (batch_logprobs refuses a topk here)
             return _lm_shard_logprobs_and_entropy(self.lm, shard, chunk, temperature, with_entropy)
         return _lm_logprobs_and_entropy(
             self.lm,

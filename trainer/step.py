@@ -306,7 +306,7 @@ def _reference_pass(cfg: ShardRLConfig, models: Models, b: Batch) -> None:
 
 def _topk_of(cfg: ShardRLConfig, b: Batch) -> TopK | None:
     """The reference's top tokens ``prepare`` kept on ``b``, for the actor's pass to write its KL into."""
-    if cfg.algorithm.kl_estimator != "topk" or _TOPK_KEYS[0] not in b:
+    if _TOPK_KEYS[0] not in b:  # only a topk run's reference pass keeps them
         return None
     index, logp, rest = (b[k] for k in _TOPK_KEYS)
     return TopK(cfg.algorithm.kl_top_k, index=index, logp=logp, rest=rest)
@@ -332,9 +332,8 @@ def _token_rewards(cfg: ShardRLConfig, models: Models, b: Batch, m: dict[str, to
     mask = b["response_mask"]
     rewards = ppo.scalar_reward_to_tokens(b["rewards"], mask)
     if _kl_in_reward(cfg):
-        kind = cast(
-            ppo.KLKind, cfg.algorithm.kl_estimator
-        )  # the config refuses "topk" with kl_mode = "reward"
+        # the config refuses "topk" with kl_mode = "reward"
+        kind = cast(ppo.KLKind, cfg.algorithm.kl_estimator)
         kl = ppo.kl_estimate(b["prox_logp"], b["ref_logp"], kind) * mask
         rewards = rewards - _kl_coef(cfg, models) * kl
         m["kl_ref"] = ppo.masked_mean(kl, mask)
