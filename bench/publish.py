@@ -58,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", type=int, default=0, metavar="RANK", help="time adapter publishes of this rank")
     p.add_argument("--delta", action="store_true", help="time delta versions against full ones")
     p.add_argument("--lr", type=float, default=1e-6, help="--delta: learning rate of the optimizer step")
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "sign"],
+        default="adamw",
+        help="--delta: the step: AdamW (16 bytes of state per parameter in all), or sign, which moves each weight "
+        "by lr x sign(grad): AdamW's own first step, with no state (a 7B step on one GPU)",
+    )
     return p.parse_args(argv)
 
 
@@ -273,20 +280,35 @@ def lora_bench(actor, layout, args, lora, tied: bool, src: Path, raw_file: Path,
     tdist.teardown()
 
 
-def _step(actor, vocab: int, lr: float, seed: int) -> None:  # type: ignore[no-untyped-def]
-    """One AdamW step on a random batch (every rank the same tokens): Adam moves every weight by about ``lr``."""
+def _step(actor, vocab: int, lr: float, seed: int, optimizer: str) -> None:  # type: ignore[no-untyped-def]
+    """One optimizer step on a random batch (every rank the same tokens): Adam moves every weight by about ``lr``.
+
+    ``sign`` is that step without Adam's state: at its first step Adam's update is m / sqrt(v) = g / |g| (bias
+    corrected, eps aside), so lr x sign(g) changes the weights as AdamW's first step does, and later steps by the
+    same ``lr`` per weight (Adam's by at most about ``lr``)."""
     import torch
 
     from trainer import dist as tdist
+    from trainer.optim import build_optimizer
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, 32), generator=g).to(tdist.current_device())
-    opt = getattr(actor, "_bench_opt", None) or torch.optim.AdamW(actor.parameters(), lr=lr)
-    actor._bench_opt = opt
-    opt.zero_grad()
+    if optimizer == "adamw":
+        opt = getattr(actor, "_bench_opt", None) or build_optimizer(
+            actor, lr=lr
+        )  # fused on GPU, like the trainer
+        actor._bench_opt = opt
+        opt.zero_grad()
     out = actor(ids)  # the actor's (logprobs, entropy) of each token
     out[0].float().mean().backward()
-    opt.step()
+    if optimizer == "adamw":
+        opt.step()
+        return
+    with torch.no_grad():
+        for p in actor.parameters():
+            if p.grad is not None:
+                p.add_(torch.sign(p.grad), alpha=-lr)
+                p.grad = None
 
 
 def _weight_bytes(d: Path) -> int:
@@ -318,7 +340,7 @@ def delta_bench(actor, layout, args, tied: bool, src: Path, vocab: int) -> None:
     rows = []
     v = 2
     for r in range(args.repeat):
-        _step(actor, vocab, args.lr, seed=r)
+        _step(actor, vocab, args.lr, seed=r, optimizer=args.optimizer)
         t_full = timed(lambda v=v: publish(v))
         t_delta = timed(lambda v=v: publish(v + 1, delta_base=1, base=base))
         if me == 0:
@@ -350,7 +372,8 @@ def delta_bench(actor, layout, args, tied: bool, src: Path, vocab: int) -> None:
         tdist.barrier()
         v += 2
     if me == 0:
-        print(f"delta vs full after one AdamW step at lr {args.lr:g}, published as {args.dtype}:")
+        step = "AdamW" if args.optimizer == "adamw" else "sign (AdamW's first step, stateless)"
+        print(f"delta vs full after one {step} step at lr {args.lr:g}, published as {args.dtype}:")
         print(
             f"{'step':>4} {'full MiB':>9} {'delta MiB':>9} {'bytes d/f':>9} {'read d/f':>9} {'publish full s':>14} "
             f"{'delta s':>8} {'pub d/f':>7} {'reload full s':>13} {'delta s':>8} {'reload d/f':>10}  same bytes"

@@ -4,15 +4,19 @@
 # Sections:
 #   trainer      trainer step vs bare FSDP2 step, Qwen2.5-1.5B shape, bf16, every GPU
 #   trainer7b    the same at the Qwen2.5-7B shape (a full AdamW step fits on one H200: 117.9 GiB at its peak)
+#   profile      where the 1.5B step's time goes, bare and trainer side by side (bench/trainer.py --profile), with
+#                trainer.kernels eager and compile, PROFILE_RUNS (2) times each
+#   profile7b    the same at the 7B shape (bare and trainer, no bare AdamW)
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   offload      the 1.5B trainer step with trainer.cpu_offload, next to the same step without
 #   offload7b    the 7B trainer step with trainer.cpu_offload (16 bytes per parameter in host memory: 122 GB on one
 #                GPU's host, more than a 128 GB host has; 61 GB per rank on two GPUs)
 #   publish      publish vs naive vs the disk's parallel write limit, 1.5B and 7B shapes
 #   lora         adapter vs merged full publish at the 1.5B and 7B shapes
-#   delta        delta vs full versions after one AdamW step at lr 1e-6 (bf16 published): bytes, publish and node
-#                reload time as ratios delta/full, 1.5B and 7B shapes (7B: AdamW state needs two GPUs; needs the
-#                zstandard package, which the GPU image may lack: carry its wheel like pydantic's)
+#   delta        delta vs full versions after one optimizer step at lr 1e-6 (bf16 published): bytes, publish and node
+#                reload time as ratios delta/full; 1.5B with AdamW and with the stateless sign step (AdamW's first
+#                step), 7B with the sign step (AdamW's state does not fit one GPU beside the bench's copies); needs
+#                the zstandard package, which bench/gpu_install.sh installs
 #   reload       hf-engine reload of full weights and of adapters at the 1.5B and 7B shapes
 #   buffer       shard I/O on the local disk
 #   e2e          bench/e2e.py, sync vs staleness 1 and 2: a random Qwen2.5-0.5B-shaped model with the demo's tokens,
@@ -56,6 +60,14 @@ for s in $SECTIONS; do
         trainer7b)
             $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --warmup 1 --steps 3
             $RUN bench/trainer.py --preset qwen2.5-7b --bare-adam --paths bare-adam --warmup 1 --steps 3 ;;
+        profile)
+            for ((run = 0; run < ${PROFILE_RUNS:-2}; run++)); do
+                for k in eager compile; do $RUN bench/trainer.py --bare-adam --profile --kernels $k; done
+            done ;;
+        profile7b)
+            for k in eager compile; do
+                $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --profile --kernels $k --warmup 1 --steps 3
+            done ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
         offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;
@@ -67,7 +79,8 @@ for s in $SECTIONS; do
             $RUN bench/publish.py --preset qwen2.5-7b --lora 16 --repeat 1 ;;
         delta)
             $RUN bench/publish.py --preset qwen2.5-1.5b --delta --repeat 2
-            $RUN bench/publish.py --preset qwen2.5-7b --delta --repeat 2 ;;
+            $RUN bench/publish.py --preset qwen2.5-1.5b --delta --repeat 2 --optimizer sign
+            $RUN bench/publish.py --preset qwen2.5-7b --delta --repeat 2 --optimizer sign ;;
         reload)
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-1.5b --repeat 3
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-7b --repeat 2 ;;
@@ -109,7 +122,7 @@ for s in $SECTIONS; do
                         --max-response-length "${E2E_RESPONSE:-1024}" --dtype bfloat16 --vllm-options "$O" $d 2>&1 | tail -1
                 done
             done ;;
-        tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py 2>&1 | tail -15 ;;
+        tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py tests/unit/test_packing.py 2>&1 | tail -15 ;;
         vllm) python -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_gpu_vllm.py 2>&1 | tail -40 ;;
         *) echo "unknown section $s" ;;
     esac 2>&1 | awk '!/[Ww][Aa][Rr][Nn]/ || /passed|failed|error/' | tee -a "$OUT/$s.txt"  # pytest's summary says "warnings"

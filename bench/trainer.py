@@ -26,6 +26,12 @@ counted as useful work.
 gradients and AdamW state are 16 bytes per parameter), or ``--cpu-offload`` (``trainer.cpu_offload``: parameters,
 gradients and optimizer state in host memory, the optimizer step on the CPU), or ``--lora R`` (a frozen bf16 base).
 
+``--kernels`` sets ``trainer.kernels`` of the trainer path (``auto``: the decoder layers compiled on GPU; the bare
+path stays plain HF, eager).  ``--profile`` then runs ``--profile-steps`` more steps of each path with every phase
+boundary synchronised (``trainer/phases.py``) and prints where the time goes, bare and trainer side by side: the
+decoder's forward, the LM head (logprobs, entropy, top-k KL), the rest of the forward (losses), the reference and
+proximal passes (``prepare``), backward (with the recomputation), clip + optimizer, and the remainder.
+
 ``--sequence-parallel K`` runs the packed trainer paths with ``trainer.sequence_parallel = K`` (Ulysses: each
 micro-batch's tokens split over K ranks, which exchange attention heads); K must divide the ranks and the preset's
 attention heads.  The step's samples are the same (``--samples-per-rank`` x ranks), so tokens per rank and tokens/s
@@ -92,6 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated subset of the uniform paths to time: bare, bare-adam, trainer (default: all)",
     )
     p.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "eager", "compile"],
+        help="trainer.kernels (trainer path)",
+    )
+    p.add_argument("--profile", action="store_true", help="print the per-phase table of each path")
+    p.add_argument("--profile-steps", type=int, default=2, help="--profile: steps timed phase by phase")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each path")
     p.add_argument("--steps", type=int, default=5, help="timed steps of each path (the mean is reported)")
     p.add_argument("--bare-adam", action="store_true", help="also time bare fwd+bwd + clip + AdamW")
@@ -235,36 +249,66 @@ class BareLM:  # built lazily: torch is imported inside main
                 self.lm = lm
 
             def forward(self, input_ids: Any, attention_mask: Any, labels: Any) -> Any:
-                h = self.lm.model(
-                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-                ).last_hidden_state
-                target = labels[:, 1:]
-                keep = target != -100
-                logits = self.lm.lm_head(h[:, :-1][keep]).float()
-                return F.cross_entropy(logits, target[keep])
+                from trainer.phases import phase
+
+                with phase("decoder"):
+                    h = self.lm.model(
+                        input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+                    ).last_hidden_state
+                with phase("head"):
+                    target = labels[:, 1:]
+                    keep = target != -100
+                    logits = self.lm.lm_head(h[:, :-1][keep]).float()
+                    return F.cross_entropy(logits, target[keep])
 
         return _Bare(lm)
 
 
-def timed(fn: Callable[[], Any], warmup: int, steps: int) -> float:
-    """Mean seconds per call over ``steps`` calls after ``warmup`` untimed ones, with all ranks in step."""
+def sync() -> None:
     import torch
 
     from trainer import dist as tdist
 
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        tdist.barrier()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    tdist.barrier()
 
-    for _ in range(warmup):
+
+Phases = dict[str, float]  # mean seconds per step by phase path (trainer/phases.py), "step" the whole step
+
+
+def timed(fn: Callable[[], Any], args: argparse.Namespace) -> tuple[float, Phases]:
+    """Mean seconds per call over ``--steps`` calls after ``--warmup`` untimed ones, with all ranks in step; then,
+    with ``--profile``, the mean per phase over ``--profile-steps`` more calls."""
+    for _ in range(args.warmup):
         fn()
     sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(args.steps):
         fn()
     sync()
-    return (time.perf_counter() - t0) / steps
+    step_s = (time.perf_counter() - t0) / args.steps
+    return step_s, (profiled(fn, args.profile_steps) if args.profile else {})
+
+
+def profiled(fn: Callable[[], Any], steps: int) -> Phases:
+    import torch
+
+    from trainer.phases import timing
+
+    def device_sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    with timing(device_sync) as timer:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        device_sync()
+        total = time.perf_counter() - t0
+    out = {k: v / steps for k, v in timer.seconds.items()}
+    out["step"] = total / steps
+    return out
 
 
 def reset_memory() -> None:
@@ -284,7 +328,7 @@ def peak_memory() -> str:
     return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process)"
 
 
-def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool) -> float:
+def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool) -> tuple[float, Phases]:
     from trainer import dist as tdist
     from trainer.model import build_optimizer, clip_grad_norm_, decoder_layers, shard
 
@@ -304,19 +348,25 @@ def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool)
     batches = bare_batches(cfg, samples, device)
 
     def step() -> None:
+        from trainer.phases import phase
+
         for b in batches:
-            bare(**b).backward()
-        if opt is not None:
-            clip_grad_norm_(bare.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            bare.zero_grad(set_to_none=True)
+            with phase("forward"):
+                loss = bare(**b)
+            with phase("backward"):
+                loss.backward()
+        with phase("optimizer"):
+            if opt is not None:
+                clip_grad_norm_(bare.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                bare.zero_grad(set_to_none=True)
 
-    return timed(step, args.warmup, args.steps)  # the model goes with this frame, before the next path
+    return timed(step, args)  # the model goes with this frame, before the next path
 
 
-def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> float:
+def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> tuple[float, Phases]:
     from trainer import dist as tdist
     from trainer.lora import maybe_lora
     from trainer.model import build_optimizer, build_scheduler, shard_actor
@@ -333,11 +383,12 @@ def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> float
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
         cpu_offload=t.cpu_offload,
+        kernels=t.kernels,
     )
     opt = build_optimizer(actor, lr=1e-6, betas=t.betas, weight_decay=t.weight_decay)
     sched = build_scheduler(opt, warmup_steps=0, schedule="constant", total_steps=1)
     models = Models(actor, opt, sched)
-    return timed(lambda: train_step(cfg, models, samples, pad_id=0), args.warmup, args.steps)
+    return timed(lambda: train_step(cfg, models, samples, pad_id=0), args)
 
 
 def step_flops(preset: str, samples: list[Any]) -> tuple[float, float]:
@@ -368,6 +419,39 @@ def report(name: str, step_s: float, samples: list[Any], preset: str, world: int
     return tok_s
 
 
+PHASE_ORDER = (
+    *("prepare/decoder", "prepare/head", "prepare"),
+    *("forward/decoder", "forward/head", "forward", "backward", "optimizer"),
+)
+PHASE_NAMES = {
+    "prepare/decoder": "reference/proximal pass: decoder",
+    "prepare/head": "reference/proximal pass: head",
+    "prepare": "prepare: the rest",
+    "forward/decoder": "forward: decoder",
+    "forward/head": "forward: LM head, logprobs",
+    "forward": "forward: the rest (losses)",
+    "backward": "backward (with recompute)",
+    "optimizer": "clip + optimizer",
+}
+
+
+def print_phases(phases: dict[str, Phases]) -> None:
+    """Milliseconds per step by phase, one column per path, and the share of the step."""
+    names = [n for n, p in phases.items() if p]
+    keys = [k for k in PHASE_ORDER if any(k in phases[n] for n in names)]
+    keys += sorted({k for n in names for k in phases[n]} - {*keys, "step"})
+    print(f"{'phase (ms per step, synchronised)':36s}" + "".join(f"{n:>28s}" for n in names), flush=True)
+    rows = [(PHASE_NAMES.get(k, k), [phases[n].get(k, 0.0) for n in names]) for k in keys]
+    rows.append(("other", [phases[n]["step"] - sum(phases[n].get(k, 0.0) for k in keys) for n in names]))
+    rows.append(("step", [phases[n]["step"] for n in names]))
+    for label, values in rows:
+        cells = "".join(
+            f"{1e3 * v:>18.1f} ({100 * v / phases[n]['step']:5.1f}%)"
+            for n, v in zip(names, values, strict=True)
+        )
+        print(f"{label:36s}{cells}", flush=True)
+
+
 def make_config(args: argparse.Namespace, packing: bool) -> Any:
     from buffer.config import ShardRLConfig
 
@@ -377,6 +461,7 @@ def make_config(args: argparse.Namespace, packing: bool) -> Any:
         "param_dtype": args.param_dtype,
         "packing": packing,
         "cpu_offload": args.cpu_offload,
+        "kernels": args.kernels,
         # sequence parallelism splits packed rows; the padded comparison path stays data-parallel
         "sequence_parallel": args.sequence_parallel if packing else 1,
     }
@@ -386,7 +471,7 @@ def make_config(args: argparse.Namespace, packing: bool) -> Any:
     )
 
 
-Timed = tuple[str, list[Any], Callable[[], float]]
+Timed = tuple[str, list[Any], Callable[[], tuple[float, Phases]]]
 
 
 def uniform_paths(args: argparse.Namespace, vocab: int, world: int) -> list[Timed]:
@@ -455,13 +540,15 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     paths = (longtail_paths if args.lengths == "longtail" else uniform_paths)(args, vocab, world)
-    results = {}
+    results, phases = {}, {}
     for name, samples, fn in paths:
         reset_memory()
-        step_s = fn()
+        step_s, phases[name] = fn()
         if tdist.is_main():
             results[name] = report(name, step_s, samples, args.preset, world, on_gpu)
         torch.manual_seed(0)
+    if args.profile and tdist.is_main():
+        print_phases(phases)
     if tdist.is_main():
         if args.lengths == "longtail":
             ratio = results["trainer step, longtail packed"] / results["trainer step, uniform"]

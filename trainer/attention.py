@@ -121,6 +121,10 @@ def _causal_equal_lengths(
     return out.flatten(0, 1).unsqueeze(0)  # [count, n, heads, D] -> [1, N, heads, D]
 
 
+# Left out of compiled decoder layers (``trainer.kernels``): a packed row's lengths are Python ints that change with
+# every micro-batch, which compiled code would specialise on and recompile for; the kernels called here are fused
+# already.
+@torch.compiler.disable
 def _packed_sdpa(
     module: nn.Module,
     query: torch.Tensor,

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer import sequence_parallel as seqpar
 from trainer.attention import PackedRow, pack, packed_row, packing_kwargs, unpack, use_packed_attention
+from trainer.phases import phase
 from trainer.sharding import reshard
 
 
@@ -202,13 +203,14 @@ def _lm_logprobs_and_entropy(
     packed: PackedRow | None = None,
     topk: TopK | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = lm.base_model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        **packing_kwargs(lm.config, position_ids, packed),
-    )
+    with phase("decoder"):
+        out = lm.base_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **packing_kwargs(lm.config, position_ids, packed),
+        )
     if response_mask is not None:
         want = response_mask
     elif attention_mask is not None:
@@ -218,16 +220,17 @@ def _lm_logprobs_and_entropy(
     if position_ids is not None:
         # Nothing predicts the first token of a sequence; in a packed row the state before it is another sequence's.
         want = want.bool() & (position_ids != 0)
-    return head_logprobs_and_entropy(
-        out.last_hidden_state,
-        lm.get_output_embeddings(),
-        input_ids,
-        want,
-        chunk=chunk,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        topk=topk,
-    )
+    with phase("head"):
+        return head_logprobs_and_entropy(
+            out.last_hidden_state,
+            lm.get_output_embeddings(),
+            input_ids,
+            want,
+            chunk=chunk,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            topk=topk,
+        )
 
 
 def _lm_shard_logprobs_and_entropy(

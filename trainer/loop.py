@@ -119,6 +119,7 @@ def build_models(run: Run) -> Models:
         "param_dtype": t.param_dtype,
         "activation_checkpointing": t.activation_checkpointing,
         "cpu_offload": t.cpu_offload,
+        "kernels": t.kernels,
     }
     schedule: dict[str, Any] = {
         "warmup_steps": t.warmup_steps,
@@ -132,7 +133,9 @@ def build_models(run: Run) -> Models:
         models.reference = (
             AdaptersOff(actor)
             if cfg.model.lora.enabled
-            else build_reference(run.model_dir, device, param_dtype=t.param_dtype, cpu_offload=t.cpu_offload)
+            else build_reference(
+                run.model_dir, device, param_dtype=t.param_dtype, cpu_offload=t.cpu_offload, kernels=t.kernels
+            )
         )
     if cfg.algorithm.name == "ppo":
         models.critic = build_critic(t.critic_path or run.model_dir, device, **sharding, lora=t.critic_lora)

@@ -33,6 +33,7 @@ from trainer.logprobs import Actor, batch_logprobs, head_logprobs_and_entropy, t
 from trainer.lora import maybe_lora
 from trainer.optim import Schedule, build_optimizer, build_scheduler, clip_grad_norm_, lr_factor
 from trainer.sharding import (
+    Kernels,
     ParamDtype,
     decoder_layers,
     load_causal_lm,
@@ -51,6 +52,7 @@ def build_actor(
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    kernels: Kernels = "eager",
     lora: Any = None,
 ) -> Actor:
     """The trainable actor, sharded over all ranks, in train mode; ``lora`` (``model.lora``) with rank > 0 puts
@@ -62,6 +64,7 @@ def build_actor(
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
+        kernels=kernels,
     )
 
 
@@ -72,6 +75,7 @@ def shard_actor(
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    kernels: Kernels = "eager",
 ) -> Actor:
     """Wrap an already built HF causal LM (fp32 on CPU or ``device``; on the meta device on ranks other than 0, see
     ``load_once``) as a sharded ``Actor``."""
@@ -83,6 +87,7 @@ def shard_actor(
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
+        kernels=kernels,
     )
     return actor.train()
 
@@ -93,11 +98,12 @@ def build_reference(
     *,
     param_dtype: ParamDtype = "auto",
     cpu_offload: bool = False,
+    kernels: Kernels = "eager",
 ) -> Actor:
     """A frozen copy of the actor's base (KL reference): sharded like the actor, no grad, eval mode."""
     lm = load_causal_lm(model_dir, weights=reads_weights())
     lm.requires_grad_(False)
-    actor = shard_actor(lm, device, param_dtype=param_dtype, cpu_offload=cpu_offload)
+    actor = shard_actor(lm, device, param_dtype=param_dtype, cpu_offload=cpu_offload, kernels=kernels)
     return actor.eval()
 
 
@@ -185,6 +191,7 @@ def build_critic(
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    kernels: Kernels = "eager",
     lora: Any = None,
 ) -> Critic:
     """A critic on a copy of the base model in ``model_dir`` (its LM head dropped), sharded over all ranks;
@@ -201,6 +208,7 @@ def build_critic(
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
+        kernels=kernels,
     )
     return critic.train()
 

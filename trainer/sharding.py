@@ -1,7 +1,7 @@
 """Loading an HF causal LM and sharding it with FSDP2 over every rank of the default process group.
 
-Sharding follows one order: activation checkpointing on each decoder layer, then ``fully_shard`` on each decoder
-layer, then on the root.  Every unit gets the same ``MixedPrecisionPolicy`` (mixing policies fails with a dtype
+Sharding follows one order: the decoder layers' forwards compiled (``trainer.kernels``), activation checkpointing on
+each decoder layer, then ``fully_shard`` on each decoder layer, then on the root.  Every unit gets the same ``MixedPrecisionPolicy`` (mixing policies fails with a dtype
 mismatch).  Embeddings, the final norm and the LM head stay in the root unit, which keeps a tied LM head with its
 embedding (sharding them apart raises on torch >= 2.13 and silently unties on 2.11).
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 ParamDtype = Literal["auto", "float32", "bfloat16"]
+Kernels = Literal["auto", "eager", "compile"]
 
 
 def resolve_param_dtype(param_dtype: ParamDtype, device: torch.device) -> torch.dtype:
@@ -30,6 +31,26 @@ def resolve_param_dtype(param_dtype: ParamDtype, device: torch.device) -> torch.
     if param_dtype == "bfloat16":
         return torch.bfloat16
     raise ValueError(f"param_dtype: {param_dtype!r} is not one of auto, float32, bfloat16")
+
+
+def resolve_kernels(kernels: Kernels, device: torch.device) -> Literal["eager", "compile"]:
+    """``auto`` compiles on CUDA (Triton kernels) and stays eager elsewhere: on a CPU the compile (about 11 s for the
+    tiny model, and again at the second length) costs more than a CPU run's short steps would save."""
+    if kernels == "auto":
+        return "compile" if device.type == "cuda" else "eager"
+    return kernels
+
+
+def compile_layers(layers: nn.ModuleList) -> None:
+    """Compile each decoder layer's forward in place (inductor fuses RMSNorm, the SwiGLU MLP's elementwise product
+    and the rotary embedding into a few kernels each).
+
+    The layer's own ``forward`` is replaced, not the module: parameter names stay those of the HF model (a wrapping
+    ``OptimizedModule`` would prefix them ``_orig_mod.``, breaking checkpoints and published weights), and the FSDP
+    unit and the checkpoint wrapper built around the layer afterwards keep their hooks outside the compiled code.
+    Lengths change with every packed micro-batch: the second length seen recompiles once with dynamic shapes."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
 
 
 def load_causal_lm(model_dir: str | Path, *, weights: bool = True) -> nn.Module:
@@ -92,8 +113,10 @@ def shard(
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    kernels: Kernels = "eager",
 ) -> None:
-    """Apply activation checkpointing, then ``fully_shard`` per layer, then on ``root``, over all ranks (in place).
+    """Compile the layers (``kernels``, see ``compile_layers``), apply activation checkpointing, then ``fully_shard``
+    per layer, then on ``root``, over all ranks (in place).
 
     ``cpu_offload``: every unit keeps its shards (parameters, gradients, hence the optimizer state) in host memory,
     pinned on GPU so the copies around each unit's compute are asynchronous; the optimizer steps on the CPU.
@@ -104,6 +127,8 @@ def shard(
 
     if not dist.is_initialized():
         raise RuntimeError("trainer.model: call trainer.dist.init() before building a sharded model")
+    if resolve_kernels(kernels, device) == "compile":
+        compile_layers(layers)
     if activation_checkpointing:
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)

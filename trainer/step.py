@@ -65,6 +65,7 @@ from trainer.data import Sample
 from trainer.logprobs import TopK, batch_logprobs
 from trainer.model import batch_values
 from trainer.optim import clip_grad_norm_
+from trainer.phases import phase
 
 Batch = dict[str, torch.Tensor]
 
@@ -529,19 +530,23 @@ def train_step(
     group_sample_advantages(cfg, samples)
     minis = minibatches(cfg, samples, pad_id)
     metrics = _Metrics(cfg.trainer.sequence_parallel)
-    prepare(cfg, models, minis, metrics)
+    with phase("prepare"):
+        prepare(cfg, models, minis, metrics)
     norms: dict[str, list[float]] = {}
     for mini in minis:
         for i, b in enumerate(mini.batches):
-            loss, m = _microbatch_loss(cfg, models, b, _loss_counts(cfg, mini))
-            # FSDP averages gradients over ranks; losses are already normalised by global counts, so undo the mean
-            (loss * tdist.world()).backward()
+            with phase("forward"):
+                loss, m = _microbatch_loss(cfg, models, b, _loss_counts(cfg, mini))
+            with phase("backward"):
+                # FSDP averages gradients over ranks; the losses are normalised by global counts: undo the mean
+                (loss * tdist.world()).backward()
             metrics.add(m, mini.share(i, len(minis)))
             # the losses are normalised by global counts: their sum over micro-batches and ranks is the update's
             metrics.add({"loss": loss.detach()}, 1.0 / len(minis))
         if grad_hook is not None:
             grad_hook(models)
-        _update(models, cfg.trainer.grad_clip, norms)
+        with phase("optimizer"):
+            _update(models, cfg.trainer.grad_clip, norms)
     for sched in (models.scheduler, models.critic_scheduler):
         if sched is not None:
             sched.step()

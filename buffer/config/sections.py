@@ -451,6 +451,11 @@ class TrainerConfig(_Section):
     param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="FSDP2 compute dtype; auto = bf16 on GPU, fp32 on CPU."
     )
+    kernels: Literal["auto", "eager", "compile"] = Field(
+        "auto",
+        description="compile: each decoder layer's forward compiled (fused RMSNorm, SwiGLU and rotary kernels); "
+        "eager: plain PyTorch; auto = compile on GPU, eager on CPU.",
+    )
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk when computing logprobs/entropy.")
     critic_path: str | None = Field(None, description="PPO critic base; default a copy of the actor base.")
     critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
