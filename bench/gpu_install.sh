@@ -5,6 +5,8 @@
 #   bash bench/gpu_install.sh split DIR OUT        cut DIR into folders OUT/p1.. and OUT/d1.. of at most ~60 MiB each
 #   bash bench/gpu_install.sh stash FOLDER         on the GPU node: add one folder's files to the stash
 #   bash bench/gpu_install.sh install              on the GPU node: join, verify, install the stash into SITE
+#   bash bench/gpu_install.sh deps                 on the GPU node: install the stash's other wheels, no vLLM (the
+#                                                  trainer and publish benches need only shardrl's own: folders d*)
 #   source "$SITE/env.sh"                          then: python3 -c "import vllm"
 #
 # The pins (bench/gpu_wheels.txt) are vLLM 0.26.0, the release built for torch 2.11.0, and the versions pip resolves
@@ -64,16 +66,28 @@ install)
         exit 1
     }
     rm -f "$VLLM_WHEEL".part*
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" ./*.whl
+    bash "$HERE/gpu_install.sh" site ./*.whl
+    # shellcheck disable=SC1091
+    source "$SITE/env.sh"
+    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    ;;
+deps)
+    cd "$STASH"
+    # shellcheck disable=SC2046
+    bash "$HERE/gpu_install.sh" site $(ls ./*.whl | grep -v "/$VLLM_WHEEL\$")
+    # shellcheck disable=SC1091
+    source "$SITE/env.sh"
+    python3 -c "import pydantic, zstandard, watchdog; print('shardrl dependencies installed without vLLM')"
+    ;;
+site)
+    shift
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"
     cat >"$SITE/env.sh" <<EOF
 export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}
 # vLLM's FlashInfer sampler compiles its kernels on first use; shardrl asks for processed logprobs, which that
 # sampler cannot give, so it is never the one used: skip its probe.
 export VLLM_USE_FLASHINFER_SAMPLER=0
 EOF
-    # shellcheck disable=SC1091
-    source "$SITE/env.sh"
-    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
     ;;
 *)
     sed -n 2,8p "$0"

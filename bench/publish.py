@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--dir", type=Path, default=Path("/tmp/shardrl-bench-publish"), help="scratch directory")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="--delta: the node caches' directory (default: under --dir); another disk, as a node's local disk is, "
+        "when --dir has no room for a 7B run's versions and its caches' copies",
+    )
     p.add_argument("--repeat", type=int, default=2, help="timed repetitions of each path (best is reported)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--bucket-mib", type=int, default=512, help="publish exchange bucket size")
@@ -336,7 +343,7 @@ def delta_bench(actor, layout, args, tied: bool, src: Path, vocab: int) -> None:
         publish_weights(actor, layout, v, v, dtype=args.dtype, tied=tied, src_model_dir=src, **kw)
 
     publish(1, base=base)  # the base, and the warm-up of the code paths
-    caches = args.dir / args.preset / "caches"
+    caches = (args.cache_dir or args.dir) / args.preset / "caches"
     rows = []
     v = 2
     for r in range(args.repeat):
@@ -348,18 +355,20 @@ def delta_bench(actor, layout, args, tied: bool, src: Path, vocab: int) -> None:
             start = time.perf_counter()
             full_cache.materialise(v)
             reload_full = time.perf_counter() - start
+            read_full = full_cache.shared_bytes_read
+            shutil.rmtree(caches / f"full-{r}")  # room for the delta's cache: the run's copy is the full twin
             delta_cache = NodeCache(layout, caches / f"delta-{r}")
             delta_cache.materialise(1)  # a following node holds the base already
             before = delta_cache.shared_bytes_read
             start = time.perf_counter()
             rebuilt = delta_cache.materialise(v + 1)
             reload_delta = time.perf_counter() - start
-            ok = _same_files(rebuilt.path, full_cache.path(v))
+            ok = _same_files(rebuilt.path, layout.weight_version(v))
             rows.append(
                 {
                     "full_bytes": _weight_bytes(layout.weight_version(v)),
                     "delta_bytes": _weight_bytes(layout.weight_version(v + 1)),
-                    "read_full": full_cache.shared_bytes_read,
+                    "read_full": read_full,
                     "read_delta": delta_cache.shared_bytes_read - before,
                     "publish_full": t_full,
                     "publish_delta": t_delta,
@@ -369,6 +378,8 @@ def delta_bench(actor, layout, args, tied: bool, src: Path, vocab: int) -> None:
                 }
             )
             shutil.rmtree(caches, ignore_errors=True)
+            for done in (v, v + 1):  # only the base is needed again
+                shutil.rmtree(layout.weight_version(done), ignore_errors=True)
         tdist.barrier()
         v += 2
     if me == 0:
