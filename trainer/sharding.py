@@ -11,6 +11,9 @@ started without torchrun.
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+log = logging.getLogger(__name__)
 ParamDtype = Literal["auto", "float32", "bfloat16"]
 Kernels = Literal["auto", "eager", "compile"]
 
@@ -35,10 +39,21 @@ def resolve_param_dtype(param_dtype: ParamDtype, device: torch.device) -> torch.
 
 def resolve_kernels(kernels: Kernels, device: torch.device) -> Literal["eager", "compile"]:
     """``auto`` compiles on CUDA (Triton kernels) and stays eager elsewhere: on a CPU the compile (about 11 s for the
-    tiny model, and again at the second length) costs more than a CPU run's short steps would save."""
-    if kernels == "auto":
-        return "compile" if device.type == "cuda" else "eager"
-    return kernels
+    tiny model, and again at the second length) costs more than a CPU run's short steps would save.
+
+    Compiled kernels are built with the node's C compiler: without one, ``auto`` stays eager (and says so) and
+    ``compile`` is refused in one line, before the first step would fail deep inside the compiler."""
+    if kernels == "eager" or (kernels == "auto" and device.type != "cuda"):
+        return "eager"
+    if shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc") or shutil.which("clang"):
+        return "compile"
+    if kernels == "compile":
+        raise RuntimeError(
+            'trainer.kernels = "compile" needs a C compiler on this node (cc, gcc or clang; Triton and inductor '
+            'build kernels with it): install one or set trainer.kernels = "eager"'
+        )
+    log.warning("trainer.kernels = auto: no C compiler on this node (cc, gcc or clang), eager kernels")
+    return "eager"
 
 
 def compile_layers(layers: nn.ModuleList) -> None:

@@ -25,6 +25,18 @@ def test_auto_compiles_on_cuda_only_and_an_explicit_choice_stands() -> None:
     assert ShardRLConfig.model_validate({"reward": {"function": "max_digit"}}).trainer.kernels == "auto"
 
 
+def test_without_a_c_compiler_auto_stays_eager_and_compile_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("trainer.sharding.shutil.which", lambda name: None)
+    cuda = torch.device("cuda")
+    assert resolve_kernels("auto", cuda) == "eager" and "no C compiler" in caplog.text
+    with pytest.raises(RuntimeError, match=r'^trainer\.kernels = "compile" needs a C compiler') as e:
+        resolve_kernels("compile", cuda)
+    assert "\n" not in str(e.value)
+    assert resolve_kernels("eager", cuda) == "eager"
+
+
 def _step(model_dir: Path, compiled: bool) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """One GRPO step with an entropy bonus and a KL term, packed micro-batches of two lengths (the second length
     makes the compiled layers recompile with dynamic shapes); the metrics and the gradients before the update."""
