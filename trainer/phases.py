@@ -1,10 +1,10 @@
 """Where a training step's time goes: wall time per named phase, for ``bench/trainer.py --profile``.
 
 The step marks its phases with ``phase(name)`` (prepare, forward, decoder, head, backward, optimizer).  Nothing is
-timed unless a ``PhaseTimer`` is active: ``phase`` is then a no-op, so the marks cost the trainer nothing.  While one
-is active, each phase boundary waits for the device (``sync``), so a phase's time is its kernels' time, not the time
-to queue them; that also removes the overlap between phases, which is why the bench reports the step's unprofiled
-time beside the table.
+timed unless a ``PhaseTimer`` is active: ``phase`` is then a no-op of a few microseconds, a handful a micro-batch.
+While one is active, each phase boundary waits for the device (``sync``), so a phase's time is its kernels' time,
+not the time to queue them; that also removes the overlap between phases, which is why the bench reports the
+step's unprofiled time beside the table.
 
 Times are exclusive and keyed by path: the decoder inside the forward is ``forward/decoder``, the forward's own rest
 (the losses) is ``forward``; inside ``prepare`` the reference's decoder is ``prepare/decoder``.
