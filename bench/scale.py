@@ -413,8 +413,8 @@ def measure(root: Path, what: str, repeat: int, strace: bool) -> dict[str, float
 
 
 def measure_run(root: Path, repeat: int, strace: bool) -> dict[str, dict[str, float]]:
-    # a refresh lists the buckets that can still change: crossing a minute's boundary mid-measurement costs one or
-    # two listings more, once, so enough refreshes keep that under half a call a refresh
+    # a refresh lists the buckets that can still change: crossing a minute's boundary mid-measurement adds one or
+    # two listings to each refresh after it (tests/integration/test_scale.py allows for it)
     reps = {"worker_check": repeat, "trainer_poll": repeat, "feed_refresh": max(10, repeat // 2)}
     reps |= {"fresh_worker": max(3, repeat // 20), "trainer_start": 3, "audit": 1}
     return {what: measure(root, what, n, strace) for what, n in reps.items()}

@@ -35,10 +35,12 @@ def test_calls_per_check_are_bounded_and_do_not_grow_with_the_run(tmp_path: Path
     # more directory reads, bounded by the bucket's size, whatever the run's length
     for path in ("fresh_worker", "trainer_start"):
         assert large[path]["calls"] <= 1.2 * small[path]["calls"], (path, small, large)
-    # the one O(W) cost: the trainer reading each live worker's record once a refresh, whatever the run's length
-    # (a minute's boundary crossed while measuring adds a listing or two once; scale.py averages over 10 refreshes)
+    # the one O(W) cost: the trainer reading each live worker's record once a refresh, whatever the run's length.
+    # A refresh lists the buckets that can still change, so a minute's boundary crossed while measuring adds one or
+    # two listings to every refresh after it (146.2 against 145.2 in one suite run): up to 2 calls a refresh, the
+    # same at any length of run, where reading the run's history would grow with its 20 times as many buckets
     refresh = (small["feed_refresh"], large["feed_refresh"])
-    assert large["feed_refresh"]["calls"] == pytest.approx(small["feed_refresh"]["calls"], abs=0.5), refresh
+    assert large["feed_refresh"]["calls"] == pytest.approx(small["feed_refresh"]["calls"], abs=2.5), refresh
     assert large["feed_refresh"]["calls"] >= 64
     # shardrl audit reads the whole run (its time grows with it), but holds one plan bucket and one shard bucket at
     # a time: its peak memory (tracemalloc's, not the machine's) stays flat from 100 to 2,000 steps
