@@ -300,16 +300,13 @@ def _step(actor, vocab: int, lr: float, seed: int, optimizer: str) -> None:  # t
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, 32), generator=g).to(tdist.current_device())
-    if optimizer == "adamw":
-        opt = getattr(actor, "_bench_opt", None) or build_optimizer(
-            actor, lr=lr
-        )  # fused on GPU, like the trainer
-        actor._bench_opt = opt
-        opt.zero_grad()
     out = actor(ids)  # the actor's (logprobs, entropy) of each token
     out[0].float().mean().backward()
     if optimizer == "adamw":
-        opt.step()
+        if getattr(actor, "_bench_opt", None) is None:
+            actor._bench_opt = build_optimizer(actor, lr=lr)  # fused on GPU, like the trainer
+        actor._bench_opt.step()
+        actor._bench_opt.zero_grad(set_to_none=True)
         return
     with torch.no_grad():
         for p in actor.parameters():

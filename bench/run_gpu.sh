@@ -54,6 +54,8 @@ NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
 RUN="python -m torch.distributed.run --nproc_per_node=$NGPU"
 { nvidia-smi -L; free -g | head -2; python -c "import torch, transformers, sys; print(sys.version.split()[0], torch.__version__, transformers.__version__)"; } \
     2>&1 | tee "$OUT/env.txt"
+# 7B: the run's three versions (~31 GB) fill most of the 64 GB disk; the node caches go to memory
+delta7b() { $RUN bench/publish.py --preset qwen2.5-7b --delta --repeat 2 --optimizer sign --cache-dir /dev/shm; }
 for s in $SECTIONS; do
     echo "=== $s" | tee "$OUT/$s.txt"
     case $s in
@@ -81,9 +83,8 @@ for s in $SECTIONS; do
         delta)
             $RUN bench/publish.py --preset qwen2.5-1.5b --delta --repeat 2
             $RUN bench/publish.py --preset qwen2.5-1.5b --delta --repeat 2 --optimizer sign
-            # 7B: the run's three versions (~31 GB) fill most of the 64 GB disk; the node caches go to memory
-            $RUN bench/publish.py --preset qwen2.5-7b --delta --repeat 2 --optimizer sign --cache-dir /dev/shm ;;
-        delta7b) $RUN bench/publish.py --preset qwen2.5-7b --delta --repeat 2 --optimizer sign --cache-dir /dev/shm ;;
+            delta7b ;;
+        delta7b) delta7b ;;
         reload)
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-1.5b --repeat 3
             python bench/reload.py --engine hf --lora 16 --preset qwen2.5-7b --repeat 2 ;;

@@ -243,14 +243,14 @@ class BareLM:  # built lazily: torch is imported inside main
         import torch.nn.functional as F
         from torch import nn
 
+        from trainer.phases import phase
+
         class _Bare(nn.Module):
             def __init__(self, lm: Any):
                 super().__init__()
                 self.lm = lm
 
             def forward(self, input_ids: Any, attention_mask: Any, labels: Any) -> Any:
-                from trainer.phases import phase
-
                 with phase("decoder"):
                     h = self.lm.model(
                         input_ids=input_ids, attention_mask=attention_mask, use_cache=False
@@ -264,13 +264,18 @@ class BareLM:  # built lazily: torch is imported inside main
         return _Bare(lm)
 
 
-def sync() -> None:
+def device_sync() -> None:
     import torch
-
-    from trainer import dist as tdist
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def sync() -> None:
+    """The device's queue done, and every rank in step."""
+    from trainer import dist as tdist
+
+    device_sync()
     tdist.barrier()
 
 
@@ -292,13 +297,7 @@ def timed(fn: Callable[[], Any], args: argparse.Namespace) -> tuple[float, Phase
 
 
 def profiled(fn: Callable[[], Any], steps: int) -> Phases:
-    import torch
-
     from trainer.phases import timing
-
-    def device_sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
     with timing(device_sync) as timer:
         t0 = time.perf_counter()
@@ -331,6 +330,7 @@ def peak_memory() -> str:
 def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool) -> tuple[float, Phases]:
     from trainer import dist as tdist
     from trainer.model import build_optimizer, clip_grad_norm_, decoder_layers, shard
+    from trainer.phases import phase
 
     device = tdist.current_device()
     lm = build_lm(args.preset, max_len(args), device)
@@ -348,8 +348,6 @@ def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool)
     batches = bare_batches(cfg, samples, device)
 
     def step() -> None:
-        from trainer.phases import phase
-
         for b in batches:
             with phase("forward"):
                 loss = bare(**b)

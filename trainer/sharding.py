@@ -1,8 +1,8 @@
 """Loading an HF causal LM and sharding it with FSDP2 over every rank of the default process group.
 
 Sharding follows one order: the decoder layers' forwards compiled (``trainer.kernels``), activation checkpointing on
-each decoder layer, then ``fully_shard`` on each decoder layer, then on the root.  Every unit gets the same ``MixedPrecisionPolicy`` (mixing policies fails with a dtype
-mismatch).  Embeddings, the final norm and the LM head stay in the root unit, which keeps a tied LM head with its
+each decoder layer, then ``fully_shard`` on each decoder layer, then on the root.  Every unit gets the same
+``MixedPrecisionPolicy`` (mixing policies fails with a dtype mismatch).  Embeddings, the final norm and the LM head stay in the root unit, which keeps a tied LM head with its
 embedding (sharding them apart raises on torch >= 2.13 and silently unties on 2.11).
 
 Call ``trainer.dist.init()`` first: ``shard`` uses the default process group, which exists also for a single process
