@@ -27,7 +27,7 @@
 #                E2E_MIN (16): long-tailed lengths; E2E_ALONE=1: the streaming engine alone too; E2E_STEPS (5); E2E_SAMPLES (1024) per step
 #                E2E_ENGINE (hf) or vllm: a vLLM worker with CUDA graphs, E2E_VLLM_MEM (0.35) of the GPU's memory
 #                (the trainer shares GPU 0 with it when there is one GPU), E2E_VLLM_SEQS (512) sequences at once;
-#                E2E_SHAPE (qwen2.5-0.5b) the model's shape
+#                E2E_SHAPE (qwen2.5-0.5b) the model's shape; E2E_SET: more KEY=VALUE overrides, space-separated
 #   alone        the streaming vLLM engine alone (bench/engine_alone.py) with the e2e workers' options (CUDA graphs,
 #                E2E_VLLM_MEM of the memory, E2E_VLLM_SEQS in flight) on the E2E_SHAPE model, lengths log-uniform
 #                16..E2E_RESPONSE (1024): without the engine's tokenizer (a run without stop strings) and with it,
@@ -98,8 +98,9 @@ for s in $SECTIONS; do
             [ "$ENGINE" = vllm ] && VLLM=(--set rollout.vllm.enforce_eager=false
                 --set "rollout.vllm.gpu_memory_utilization=${E2E_VLLM_MEM:-0.35}"
                 --set "rollout.vllm.max_num_seqs=${E2E_VLLM_SEQS:-512}")
+            EXTRA=(); for kv in ${E2E_SET:-}; do EXTRA+=(--set "$kv"); done
             python bench/e2e.py --engine "$ENGINE" --shape "${E2E_SHAPE:-qwen2.5-0.5b}" --set model.dtype=bfloat16 \
-                "${VLLM[@]}" --timeout-s "${E2E_TIMEOUT:-1800}" --trainer-device cuda:0 \
+                "${VLLM[@]}" "${EXTRA[@]}" --timeout-s "${E2E_TIMEOUT:-1800}" --trainer-device cuda:0 \
                 --worker-device "$DEV" --workers "$N" --modes "${E2E_MODES:-sync,1,2}" \
                 --response-length "${E2E_RESPONSE:-32}" --samples-per-step "${E2E_SAMPLES:-1024}" --steps "${E2E_STEPS:-5}" \
                 --lengths "${E2E_LENGTHS:-natural}" --min-response-length "${E2E_MIN:-16}" ${E2E_ALONE:+--engine-alone} \

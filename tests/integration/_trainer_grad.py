@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer.run import open_run
+from tests.integration._common import leave_after_teardown
 from trainer import dist as tdist
 from trainer import loop
 from trainer.step import Models, train_step
@@ -61,6 +62,7 @@ def main() -> None:
     if tdist.is_main():
         save_file(dumped, str(out), metadata={"loss_metrics": repr(sorted(metrics.items()))})
     tdist.teardown()
+    leave_after_teardown()
 
 
 if __name__ == "__main__":
