@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -38,15 +38,22 @@ from torch import nn
 PACKED_ATTENTION = "shardrl_packed_sdpa"
 
 
-class PackedRow(NamedTuple):
+class PackedRow:
     """The sequences of a packed row: ``lens`` on the host (to split on without a device sync) and ``cu_seqlens``
     [S+1] int32, their start offsets and the total, on the row's device (for the varlen kernel).  ``sp``: the
     sequence-parallel group (``trainer/sequence_parallel.py``) when this rank holds only a chunk of the row that
-    ``lens`` describes; None otherwise."""
+    ``lens`` describes; None otherwise.
 
-    lens: list[int]
-    cu_seqlens: torch.Tensor
-    sp: Any = None
+    A plain object, not a tuple: compiled decoder layers (``trainer.kernels``) pass it through untouched to the
+    attention, which runs outside the compiled code, and the compiler guards only on what it looks into; a tuple's
+    items it would look into, and recompile for every new number of sequences in a micro-batch."""
+
+    __slots__ = ("cu_seqlens", "lens", "sp")
+
+    def __init__(self, lens: list[int], cu_seqlens: torch.Tensor, sp: Any = None):
+        self.lens = lens
+        self.cu_seqlens = cu_seqlens
+        self.sp = sp
 
 
 @functools.cache

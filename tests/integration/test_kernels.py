@@ -81,6 +81,33 @@ def test_compiled_layers_train_like_eager_ones_in_fp32(
     assert worst < 1e-4
 
 
+def test_compiled_layers_compile_twice_whatever_the_micro_batches_hold(
+    tiny_model_untied: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real run's micro-batches differ in length and in how many sequences they pack: the layers compile for the
+    first shape, once more with dynamic shapes, and never again (a guard on the number of sequences recompiled them
+    for every new count until the cache limit, then ran them eager)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(tdist, "_device", torch.device("cpu"))
+    cfg = ShardRLConfig.model_validate(
+        {"reward": {"function": "max_digit"}, "trainer": {"max_tokens_per_microbatch": 64}}
+    )
+    actor = _actor(tiny_model_untied)
+    compile_layers(decoder_layers(actor.lm.base_model))
+    opt = build_optimizer(actor, lr=1e-5)
+    models = Models(actor, opt, build_scheduler(opt, warmup_steps=0, schedule="constant", total_steps=8))
+    vocab = actor.config.vocab_size
+    # two steps to settle (the second length turns the shapes dynamic), then packs of 1 to 8 sequences
+    batches = [[(4, 20), (5, 20), (3, 20)], [(2, 9), (3, 7)]]
+    batches += [[(2 + i % 3, 3 + (5 * i + k) % 11) for i in range(k)] for k in (1, 5, 8, 3, 6)]
+    graphs = []
+    for i, shapes in enumerate(batches):
+        train_step(cfg, models, _samples(vocab, seed=i, shapes=shapes), pad_id=0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2:] == [graphs[1]] * (len(batches) - 2), graphs
+
+
 def test_phases_are_exclusive_and_keyed_by_path(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter(range(100))
     monkeypatch.setattr("trainer.phases.time.perf_counter", lambda: float(next(clock)))
