@@ -740,6 +740,12 @@ def add_engine_ratios(results: dict[str, dict[str, Any]]) -> None:
             r["worker_tokens_vs_engine_alone"] = r["worker_tokens_per_s"] / limit
 
 
+def drop_outputs(layout: RunLayout) -> None:
+    """A measured mode's checkpoints and weight versions (its logs and metrics stay, for the table)."""
+    for d in (layout.checkpoints, layout.weights):
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def build_shaped_model(name: str, out: Path) -> Path:
     """A random model of the ``name`` shape with the tiny tokenizer (the demo task's tokens), built once for every
     mode; the usual initializer range (0.02), as a model trained from scratch would start."""
@@ -780,6 +786,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, bound, streaming in args.mode_list:
             print(f"e2e: mode {name}: {args.steps} steps of {shape.samples_per_step} samples ...", flush=True)
             results[name] = measure_mode(args, shape, base / f"run-{name}", bound, streaming)
+            if (
+                not args.keep
+            ):  # a 1.5B mode leaves ~20 GB of checkpoint and versions: the next would fill a disk
+                drop_outputs(RunLayout.of(base / f"run-{name}"))
             add_engine_ratios(results)
             write_out(args, shape, results)  # what is measured so far survives an interrupted run
         if args.engine_alone and not alone_first:
