@@ -238,9 +238,10 @@ def test_a_hung_or_crashing_reward_costs_its_sample_not_the_worker(
         max_backlog_samples=10_000,
         reward={
             "function": "tests.integration._rollout_rewards:hangs_on_seven_dies_on_eight",
-            # the hung call sleeps an hour, so any limit cuts it; 5 s leaves a normal reward (milliseconds, plus a
-            # reward process's start on a loaded machine) far inside it
-            "timeout_s": 5.0,
+            # the hung call sleeps an hour, so any limit cuts it; the limit runs from the child's own mark at the
+            # sample's start (a fresh child's start is not in it), so 1 s leaves a normal reward (microseconds) far
+            # inside it, and a group of four hung samples costs 4 s of the run, not 20
+            "timeout_s": 1.0,
         },
     )
     log = tmp_path / "w0.log"
