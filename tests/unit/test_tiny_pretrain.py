@@ -31,7 +31,7 @@ def test_pretraining_teaches_the_answer_format(tmp_path: Path) -> None:
     base = build_tiny_model(tmp_path / "base", tied=True)
     before = float(_digit_probs(base, "max_digit").sum(-1).mean())
     taught = shutil.copytree(base, tmp_path / "taught")
-    pretrain(taught, "mod_add", 200, seed=3)
+    pretrain(taught, "mod_add", 80, seed=3)  # the format is in by 60 (own 0.9997; the other task 0.143)
     own = float(_digit_probs(taught, "mod_add").sum(-1).mean())
     after = _digit_probs(
         taught, "max_digit"
