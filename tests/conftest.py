@@ -8,6 +8,14 @@ from typing import Any
 
 import pytest
 
+# Two pytest processes share the machine's cores with every process they start (trainers, evaluators, demos), and
+# torch's default of one intra-op thread per core has each process's threads spinning against the others': the
+# tiny-model tests ran 1.8x slower beside two busy cores with the default than with one thread, and no slower with
+# one thread on an idle machine.  So one thread each, inherited by the processes the tests start; a process that sets
+# its own keeps it (a rollout worker gets OMP_NUM_THREADS from its supervisor's share of the cores), and a value set
+# outside the suite stands.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
