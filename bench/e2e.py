@@ -786,9 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, bound, streaming in args.mode_list:
             print(f"e2e: mode {name}: {args.steps} steps of {shape.samples_per_step} samples ...", flush=True)
             results[name] = measure_mode(args, shape, base / f"run-{name}", bound, streaming)
-            if (
-                not args.keep
-            ):  # a 1.5B mode leaves ~20 GB of checkpoint and versions: the next would fill a disk
+            # a 1.5B mode leaves ~20 GB of checkpoint and versions: the next would fill a disk
+            if not args.keep:
                 drop_outputs(RunLayout.of(base / f"run-{name}"))
             add_engine_ratios(results)
             write_out(args, shape, results)  # what is measured so far survives an interrupted run

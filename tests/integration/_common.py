@@ -79,16 +79,6 @@ def shardrl(
     return p
 
 
-def leave_after_teardown() -> None:
-    """End a torchrun rank whose work is done and whose process group is torn down, skipping the interpreter's
-    finalization.  A gloo rank of the two-rank publish test once aborted there ("terminate called without an active
-    exception", no Python frame left on any thread) after every file it writes was written: a native thread of
-    torch's own teardown, not the code under test.  Leaving with os._exit keeps that exit path out of the result."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def free_port() -> int:
     """A TCP port nobody listens on right now (for torchrun's rendezvous)."""
     with socket.socket() as s:

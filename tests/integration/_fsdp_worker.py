@@ -32,8 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer.layout import RunLayout
-from tests.integration._common import free_port, leave_after_teardown
+from tests.integration._common import free_port
 from trainer import dist as tdist
+from trainer.__main__ import leave
 from trainer.checkpoint import latest_complete_checkpoint, load_checkpoint, save_checkpoint
 from trainer.model import (
     build_actor,
@@ -285,7 +286,7 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     tdist.teardown()
-    leave_after_teardown()
+    leave(0)  # a finished rank skips the interpreter's finalization, as the trainer does
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer.config import ShardRLConfig, apply_overrides, validate
-from tests.integration._common import leave_after_teardown
 from trainer import dist as tdist
 from trainer import sequence_parallel as seqpar
+from trainer.__main__ import leave
 from trainer.batching import batch_to, collate
 from trainer.data import Sample
 from trainer.logprobs import batch_logprobs
@@ -188,7 +188,7 @@ def main() -> None:
         for k in ks.split(","):
             run_case(model, Path(out_dir), case, int(k), device)
     tdist.teardown()
-    leave_after_teardown()
+    leave(0)  # a finished rank skips the interpreter's finalization, as the trainer does
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from buffer.run import open_run
-from tests.integration._common import leave_after_teardown
 from trainer import dist as tdist
 from trainer import loop
+from trainer.__main__ import leave
 from trainer.step import Models, train_step
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     if tdist.is_main():
         save_file(dumped, str(out), metadata={"loss_metrics": repr(sorted(metrics.items()))})
     tdist.teardown()
-    leave_after_teardown()
+    leave(0)  # a finished rank skips the interpreter's finalization, as the trainer does
 
 
 if __name__ == "__main__":
