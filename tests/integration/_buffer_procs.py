@@ -47,15 +47,17 @@ def publish_forever(layout: RunLayout) -> None:
         v += 1
 
 
-def supervisor_control_loop(layout: RunLayout, who: str, seconds: float, seen: Path) -> None:
+def supervisor_control_loop(layout: RunLayout, who: str, stop: Path, seen: Path) -> None:
     """Stand-in for a node supervisor's control polling (the real supervisor uses the same watcher).
 
     After each poll whose control generation differs from the last, the generation is written to ``seen`` (tmp ->
-    rename), so the test knows when this supervisor is polling and when it has seen a command's outcome.
+    rename), so the test knows when this supervisor is polling and when it has seen a command's outcome.  It polls
+    until the test creates ``stop``: a fixed lifetime would end the race early on a loaded machine, where starting
+    four interpreters alone can take most of it.  The hour is only a bound on an orphan.
     """
     w = control.ControlWatcher(layout, max_workers=64, settle_s=0.5, who=who)
-    end, reported = time.monotonic() + seconds, None
-    while time.monotonic() < end:
+    end, reported = time.monotonic() + 3600, None
+    while time.monotonic() < end and not stop.exists():
         generation = w.poll().generation
         if generation != reported:
             tmp = seen.with_name(f".tmp.{seen.name}")
@@ -72,6 +74,6 @@ if __name__ == "__main__":
     elif mode == "publish":
         publish_forever(run)
     elif mode == "control":
-        supervisor_control_loop(run, sys.argv[3], float(sys.argv[4]), Path(sys.argv[5]))
+        supervisor_control_loop(run, sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5]))
     else:
         raise SystemExit(f"unknown mode {mode}")

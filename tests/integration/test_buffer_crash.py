@@ -105,27 +105,56 @@ def test_racing_supervisors_apply_each_command_exactly_once(tmp_path):
     layout.create()
     control.init_state(layout, 0)
     seen = [tmp_path / f"sup{i}.seen" for i in range(4)]
-    procs = [_spawn("control", str(layout.root), f"sup{i}", "12", str(seen[i])) for i in range(4)]
+    stop = tmp_path / "stop"
+    procs = [_spawn("control", str(layout.root), f"sup{i}", str(stop), str(seen[i])) for i in range(4)]
+    try:
+        _race(layout, seen, stop, procs)
+    finally:
+        stop.touch()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _race(layout: RunLayout, seen: list[Path], stop: Path, procs: list[subprocess.Popen]) -> None:
+    """Send six commands through four polling supervisors; each must be applied once, whoever applies it."""
 
     def seen_by_all(generation: int) -> bool:
         """Every supervisor has polled and seen at least ``generation`` (each writes what it saw)."""
         return all(s.exists() and int(s.read_text()) >= generation for s in seen)
 
-    wait_for("every supervisor polling", lambda: seen_by_all(0), timeout=60, every=0.02)
+    def all_alive() -> bool:
+        return all(p.poll() is None for p in procs)
+
+    # the bounds are generous because they only decide how long a broken run takes to fail: a command is applied
+    # within one poll plus the 0.5 s settle when the machine is idle
+    wait_for("every supervisor polling", lambda: seen_by_all(0), timeout=120, every=0.02, alive=all_alive)
     commands = [("add", 2), ("add", 2), ("remove", 1), ("set", 5), ("add", 3), ("remove", 2)]
     expected = 0
     for generation, (action, count) in enumerate(commands, start=1):
         _echo_slowly(layout.control_file, json.dumps({"action": action, "count": count}))
         expected = {"add": expected + count, "remove": expected - count, "set": count}[action]
-        wait_for(f"desired {expected}", lambda e=expected: control.read_state(layout).desired == e, 30, 0.05)
+        wait_for(
+            f"desired {expected}",
+            lambda e=expected: control.read_state(layout).desired == e,
+            120,
+            0.05,
+            alive=all_alive,
+        )
         assert control.read_state(layout).desired == expected
         # every supervisor has seen this command's outcome: from here a second application would show as an extra
         # generation in the count below
         wait_for(
-            f"every supervisor at generation {generation}", lambda g=generation: seen_by_all(g), 10, 0.02
+            f"every supervisor at generation {generation}",
+            lambda g=generation: seen_by_all(g),
+            120,
+            0.02,
+            alive=all_alive,
         )
+    stop.touch()
     for p in procs:
-        p.wait(timeout=20)
+        assert p.wait(timeout=60) == 0
     st = control.read_state(layout)
     assert st.desired == expected == 6
     assert st.generation == len(commands)  # one generation per command: none applied twice
