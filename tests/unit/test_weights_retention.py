@@ -54,3 +54,22 @@ def test_the_evaluators_best_version_survives_retention(tmp_path):
     publish_version(layout, 10)
     weights.garbage_collect(layout, keep=2, in_use=[])
     assert weights.published_versions(layout) == [9, 10]
+
+
+def test_collection_reads_no_delta_record_of_a_full_version(tmp_path, monkeypatch):
+    """A full version has no delta record; asking for it would wait out the retries a missing file gets on a
+    network filesystem, for every kept version at every publish (seconds of sleep a publish, once)."""
+    layout = make_layout(tmp_path)
+    asked: list[str] = []
+    real = weights.read_delta_record
+
+    def counting(path):
+        asked.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(weights, "read_delta_record", counting)
+    for v in range(1, 6):
+        publish_version(layout, v)
+        weights.garbage_collect(layout, keep=3, in_use=[])
+    assert weights.published_versions(layout) == [3, 4, 5]
+    assert asked == []
