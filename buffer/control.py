@@ -223,6 +223,8 @@ class ControlWatcher:
                 return read_state(self.layout)  # NFS hiccup: the next poll reads it
             raw, st = self._refusal(path, f"unreadable ({e.strerror or e})")
         self._failing_since.clear()
+        if len(raw) != st.st_size and not raw.startswith(b"\0refused\0"):
+            return read_state(self.layout)  # written while read: the next poll reads it whole
         key = command_key(raw, st)
         if key == self._handled:
             return read_state(self.layout)

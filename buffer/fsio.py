@@ -309,7 +309,10 @@ class FileRefused(ValueError):
 
 
 def read_capped_stat(path: Path | str, max_bytes: int) -> tuple[bytes, os.stat_result]:
-    """The bytes of ``path`` and the ``fstat`` of the very file read (not of whatever the name points to later).
+    """The bytes of ``path`` and the ``fstat`` of the very file read (not of whatever the name points to later),
+    taken after the read: a write moves the file's mtime before its bytes land, so bytes read whole are never paired
+    with the time of an earlier write (a stat taken before the read was: a command echoed while a supervisor read
+    it got two keys, the half-written file's time and size with the whole text, and was applied twice).
 
     Refused (``FileRefused``) without reading it all: anything but a regular file (a FIFO, whose open would block,
     is opened non-blocking and refused; a directory), and a file over ``max_bytes``, by its size and again by what
@@ -331,7 +334,7 @@ def read_capped_stat(path: Path | str, max_bytes: int) -> tuple[bytes, os.stat_r
                 got += len(chunk)
             if got > max_bytes:
                 raise FileRefused(path, f"more than the {max_bytes} bytes accepted (it grew while read)")
-            return b"".join(chunks), st
+            return b"".join(chunks), os.fstat(fd)
         finally:
             os.close(fd)
 

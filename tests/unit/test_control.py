@@ -73,6 +73,63 @@ def test_each_command_applies_once_and_an_identical_echo_later_is_new(tmp_path):
     assert st.generation == 2 and st.last_applied["by"] == "b"
 
 
+def test_a_command_finished_while_a_supervisor_reads_it_is_applied_once(tmp_path, monkeypatch):
+    """An echo whose second half lands between a supervisor's open and its read: that supervisor reads the whole
+    command, and must key it as the others will, by the finished file's time and size (keyed by the half-written
+    file's, it was applied twice: the racing-supervisors test in tests/integration/test_buffer_crash.py)."""
+    layout = make_layout(tmp_path)
+    control.init_state(layout, 1)
+    a = control.ControlWatcher(layout, 8, settle_s=0.0, who="a")
+    b = control.ControlWatcher(layout, 8, settle_s=0.0, who="b")
+    text = '{"action":"add","count":2}\n'
+    with open(layout.control_file, "w") as f:
+        f.write(text[:10])
+    real_read = os.read
+    finished: list[bool] = []
+
+    def read_after_the_echo_finishes(fd: int, n: int) -> bytes:
+        if not finished:  # the rest of the echo lands, a tick later, after a's open and fstat
+            finished.append(True)
+            st = os.stat(layout.control_file)
+            with open(layout.control_file, "a") as f:
+                f.write(text[10:])
+            os.utime(layout.control_file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        return real_read(fd, n)
+
+    monkeypatch.setattr(os, "read", read_after_the_echo_finishes)
+    assert a.poll().desired == 3 and finished
+    monkeypatch.setattr(os, "read", real_read)
+    assert b.poll().desired == 3
+    st = control.read_state(layout)
+    assert st.generation == 1 and st.last_applied["by"] == "a"
+
+
+def test_a_file_that_changes_size_while_read_is_read_again_next_poll(tmp_path, monkeypatch):
+    """Bytes that do not match the size of the file after the read (truncated or rewritten meanwhile) are no
+    command yet: the poll decides nothing, and the next one reads the file whole."""
+    layout = make_layout(tmp_path)
+    control.init_state(layout, 1)
+    w = control.ControlWatcher(layout, 8, settle_s=0.0, who="a")
+    _echo(layout, '{"action":"set","count":4}')
+    real_fstat = os.fstat
+    calls: list[int] = []
+
+    def fstat_seeing_a_truncation(fd: int) -> os.stat_result:
+        calls.append(fd)
+        st = real_fstat(fd)
+        if len(calls) == 2:  # the stat after the read: the file was cut meanwhile
+            fields = list(st)
+            fields[6] = 0  # st_size
+            return os.stat_result(fields)
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_seeing_a_truncation)
+    assert w.poll().generation == 0
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    st = w.poll()
+    assert st.generation == 1 and st.desired == 4
+
+
 def test_half_written_file_waits_then_is_rejected_and_desired_stays(tmp_path):
     layout = make_layout(tmp_path)
     control.init_state(layout, 2)
