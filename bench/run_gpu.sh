@@ -8,6 +8,9 @@
 #                trainer.kernels eager and compile, PROFILE_RUNS (2) times each
 #   profile7b    the same at the 7B shape (bare and trainer, no bare AdamW)
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
+#   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
+#                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
+#                input in host memory (trainer.activation_offload); full weights at 65536 without offload beside it
 #   offload      the 1.5B trainer step with trainer.cpu_offload, next to the same step without
 #   offload7b    the 7B trainer step with trainer.cpu_offload (16 bytes per parameter in host memory: 122 GB on one
 #                GPU's host, more than a 128 GB host has; 61 GB per rank on two GPUs)
@@ -71,6 +74,11 @@ for s in $SECTIONS; do
             for k in eager compile; do
                 $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --profile --kernels $k --warmup 1 --steps 3
             done ;;
+        long7b)
+            L7="$RUN bench/trainer.py --preset qwen2.5-7b --samples-per-rank 1 --paths trainer"
+            $L7 --seq-len "${LONG_FULL:-98304}" --microbatch-tokens "${LONG_FULL:-98304}" --activation-offload --warmup 1 --steps 2
+            $L7 --seq-len "${LONG_LORA:-262144}" --microbatch-tokens "${LONG_LORA:-262144}" --activation-offload --lora 64 --warmup 0 --steps 1
+            $L7 --seq-len 65536 --microbatch-tokens 65536 --warmup 1 --steps 2 ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
         offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;

@@ -90,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-offload", action="store_true", help="trainer.cpu_offload for every path (bare and trainer)"
     )
     p.add_argument(
+        "--activation-offload",
+        action="store_true",
+        help="trainer.activation_offload for every path: checkpointed layers' inputs in host memory",
+    )
+    p.add_argument(
         "--lora", type=int, default=0, help="model.lora.rank for the trainer path (the bare path stays full)"
     )
     p.add_argument(
@@ -342,6 +347,7 @@ def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool)
         device,
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
+        activation_offload=t.activation_offload,
         cpu_offload=t.cpu_offload,
     )
     opt = build_optimizer(bare, lr=1e-6) if adam else None
@@ -380,6 +386,7 @@ def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> tuple
         device,
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
+        activation_offload=t.activation_offload,
         cpu_offload=t.cpu_offload,
         kernels=t.kernels,
     )
@@ -456,6 +463,7 @@ def make_config(args: argparse.Namespace, packing: bool) -> Any:
     trainer = {
         "max_tokens_per_microbatch": args.microbatch_tokens,
         "activation_checkpointing": not args.no_activation_checkpointing,
+        "activation_offload": args.activation_offload,
         "param_dtype": args.param_dtype,
         "packing": packing,
         "cpu_offload": args.cpu_offload,
@@ -530,7 +538,8 @@ def main(argv: list[str] | None = None) -> None:
         dtype = resolve_param_dtype(args.param_dtype, device)
         print(
             f"preset {args.preset}: {params / 1e6:.1f}M params, {world} rank(s) on {device.type}, compute {dtype}, "
-            f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}, "
+            f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}"
+            f"{' (inputs in host memory)' if args.activation_offload else ''}, "
             f"cpu offload {'on' if args.cpu_offload else 'off'}, trainer LoRA rank {args.lora}, "
             f"sequence parallel {args.sequence_parallel}; "
             f"{args.samples_per_rank} x {args.seq_len} real tokens per rank ({args.prompt_len} prompt), "

@@ -118,6 +118,7 @@ def build_models(run: Run) -> Models:
     sharding: dict[str, Any] = {
         "param_dtype": t.param_dtype,
         "activation_checkpointing": t.activation_checkpointing,
+        "activation_offload": t.activation_offload,
         "cpu_offload": t.cpu_offload,
         "kernels": t.kernels,
     }

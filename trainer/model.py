@@ -51,6 +51,7 @@ def build_actor(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
     lora: Any = None,
@@ -63,6 +64,7 @@ def build_actor(
         device,
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
+        activation_offload=activation_offload,
         cpu_offload=cpu_offload,
         kernels=kernels,
     )
@@ -74,6 +76,7 @@ def shard_actor(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
 ) -> Actor:
@@ -86,6 +89,7 @@ def shard_actor(
         device,
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
+        activation_offload=activation_offload,
         cpu_offload=cpu_offload,
         kernels=kernels,
     )
@@ -190,6 +194,7 @@ def build_critic(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
     lora: Any = None,
@@ -207,6 +212,7 @@ def build_critic(
         device,
         param_dtype=param_dtype,
         activation_checkpointing=activation_checkpointing,
+        activation_offload=activation_offload,
         cpu_offload=cpu_offload,
         kernels=kernels,
     )

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.activations import checkpointed
+
 log = logging.getLogger(__name__)
 ParamDtype = Literal["auto", "float32", "bfloat16"]
 Kernels = Literal["auto", "eager", "compile"]
@@ -127,16 +129,17 @@ def shard(
     *,
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
+    activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
 ) -> None:
-    """Compile the layers (``kernels``, see ``compile_layers``), apply activation checkpointing, then ``fully_shard``
+    """Compile the layers (``kernels``, see ``compile_layers``), apply activation checkpointing (with each layer's
+    saved input in host memory when ``activation_offload``, see ``trainer/activations.py``), then ``fully_shard``
     per layer, then on ``root``, over all ranks (in place).
 
     ``cpu_offload``: every unit keeps its shards (parameters, gradients, hence the optimizer state) in host memory,
     pinned on GPU so the copies around each unit's compute are asynchronous; the optimizer steps on the CPU.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -146,7 +149,7 @@ def shard(
         compile_layers(layers)
     if activation_checkpointing:
         for i, layer in enumerate(layers):
-            layers[i] = checkpoint_wrapper(layer)
+            layers[i] = checkpointed(layer, offload=activation_offload)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(
         param_dtype=resolve_param_dtype(param_dtype, device), reduce_dtype=torch.float32

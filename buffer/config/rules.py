@@ -201,6 +201,17 @@ def _rule_sequence_parallel_packs(cfg: ShardRLConfig) -> str | None:
     )
 
 
+def _rule_offload_checkpoints(cfg: ShardRLConfig) -> str | None:
+    # What goes to host memory is the input that checkpointing keeps for the recompute.
+    t = cfg.trainer
+    if not t.activation_offload or t.activation_checkpointing:
+        return None
+    return (
+        "trainer.activation_offload = true needs trainer.activation_checkpointing = true: the layers' saved inputs "
+        "it moves to host memory are those of checkpointing"
+    )
+
+
 def _rule_topk_kl_is_a_loss(cfg: ShardRLConfig) -> str | None:
     # The top-k KL is computed inside the actor's own pass, with grad: it is a loss term, over whole rows.
     a, t = cfg.algorithm, cfg.trainer
@@ -268,6 +279,7 @@ RULES = (
     _rule_vllm_token_budget,
     _rule_kl_horizon_spans_a_step,
     _rule_sequence_parallel_packs,
+    _rule_offload_checkpoints,
     _rule_topk_kl_is_a_loss,
     _rule_env_turn_fits_response,
     _rule_env_prompts_from_verifiers,

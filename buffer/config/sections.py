@@ -443,6 +443,12 @@ class TrainerConfig(_Section):
         "divide them); needs trainer.packing. 1 = off.",
     )
     activation_checkpointing: bool = Field(False, description="Recompute decoder layers in backward.")
+    activation_offload: bool = Field(
+        False,
+        description="With activation_checkpointing: each decoder layer's saved input lives in host memory (pinned) "
+        "between forward and backward, so the GPU holds one layer's input instead of all of them; for long "
+        "sequences. Costs a copy to the host and back per layer and step.",
+    )
     cpu_offload: bool = Field(
         False,
         description="Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); "

@@ -1,0 +1,76 @@
+"""Activation checkpointing with each layer's saved input in host memory (``trainer.activation_offload``).
+
+On CPU the "host copy" is a second CPU tensor, so what these tests check is the mechanism, not the bandwidth: the
+gradients are those of plain checkpointing bit for bit (the same recompute from the same values), and the GPU-side
+input (here: the original tensor) is no longer held by the graph between forward and backward, where plain
+checkpointing holds it.  The GPU run is in ``bench/run_gpu.sh`` (section ``long7b``).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from buffer.config import ConfigError, validate
+from tests.unit.test_packing import _actor
+from trainer.activations import checkpointed
+from trainer.sharding import decoder_layers
+
+
+def _run(model_dir: Path, offload: bool) -> tuple[bool, dict[str, torch.Tensor]]:
+    """Forward and backward of the tiny actor with every layer checkpointed; whether layer 1's input was still alive
+    between forward and backward, and the gradients."""
+    actor = _actor(model_dir)
+    layers = decoder_layers(actor.lm.base_model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpointed(layer, offload=offload)
+    inputs: list[weakref.ref[torch.Tensor]] = []
+    layers[1].register_forward_pre_hook(lambda _m, args: inputs.append(weakref.ref(args[0])))
+    ids = torch.randint(0, actor.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    logits = actor.lm(input_ids=ids).logits
+    gc.collect()
+    alive = inputs[0]() is not None
+    logits.float().pow(2).mean().backward()
+    return alive, {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+
+
+def test_offloaded_inputs_give_the_gradients_of_plain_checkpointing_and_leave_the_graph(
+    tiny_model_untied: Path,
+) -> None:
+    kept, want = _run(Path(tiny_model_untied), offload=False)
+    still_held, got = _run(Path(tiny_model_untied), offload=True)
+    assert kept, "control: plain checkpointing keeps each layer's input for the recompute"
+    assert not still_held, "with offload the graph holds a copy of layer 1's input, not the tensor itself"
+    assert got.keys() == want.keys() and len(want) > 10
+    for name, g in want.items():
+        assert g.abs().max() > 0, name
+        assert torch.equal(got[name], g), name
+
+
+def test_offload_wraps_the_layer_under_the_names_of_plain_checkpointing(tiny_model_untied: Path) -> None:
+    # Checkpoints and published weights are keyed by parameter names: both wrappings must give the same ones.
+    plain, offloaded = _actor(Path(tiny_model_untied)), _actor(Path(tiny_model_untied))
+    for actor, offload in ((plain, False), (offloaded, True)):
+        layers = decoder_layers(actor.lm.base_model)
+        for i, layer in enumerate(layers):
+            layers[i] = checkpointed(layer, offload=offload)
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in offloaded.named_parameters()]
+
+
+def test_offload_without_checkpointing_is_refused_in_one_line() -> None:
+    base = {"reward": {"function": "max_digit"}}
+    on = {**base, "trainer": {"activation_checkpointing": True, "activation_offload": True}}
+    assert validate(on, "cfg.toml").trainer.activation_offload
+    assert not validate(base, "cfg.toml").trainer.activation_offload
+    with pytest.raises(ConfigError) as e:
+        validate(
+            {**base, "trainer": {"activation_checkpointing": False, "activation_offload": True}}, "cfg.toml"
+        )
+    assert str(e.value) == (
+        "cfg.toml: trainer.activation_offload = true needs trainer.activation_checkpointing = true: the layers' "
+        "saved inputs it moves to host memory are those of checkpointing"
+    )
