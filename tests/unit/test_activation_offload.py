@@ -21,21 +21,23 @@ from trainer.activations import checkpointed
 from trainer.sharding import decoder_layers
 
 
-def _run(model_dir: Path, offload: bool) -> tuple[bool, dict[str, torch.Tensor]]:
+def _run(model_dir: Path, offload: bool, device: str = "cpu") -> tuple[bool, dict[str, torch.Tensor]]:
     """Forward and backward of the tiny actor with every layer checkpointed; whether layer 1's input was still alive
     between forward and backward, and the gradients."""
-    actor = _actor(model_dir)
+    actor = _actor(model_dir).to(device)
     layers = decoder_layers(actor.lm.base_model)
     for i, layer in enumerate(layers):
         layers[i] = checkpointed(layer, offload=offload)
     inputs: list[weakref.ref[torch.Tensor]] = []
     layers[1].register_forward_pre_hook(lambda _m, args: inputs.append(weakref.ref(args[0])))
-    ids = torch.randint(0, actor.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, actor.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     logits = actor.lm(input_ids=ids).logits
     gc.collect()
     alive = inputs[0]() is not None
     logits.float().pow(2).mean().backward()
-    return alive, {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+    return alive, {n: p.grad.cpu() for n, p in actor.named_parameters() if p.grad is not None}
 
 
 def test_offloaded_inputs_give_the_gradients_of_plain_checkpointing_and_leave_the_graph(
@@ -49,6 +51,20 @@ def test_offloaded_inputs_give_the_gradients_of_plain_checkpointing_and_leave_th
     for name, g in want.items():
         assert g.abs().max() > 0, name
         assert torch.equal(got[name], g), name
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_inputs_go_to_pinned_host_memory_and_come_back_in_order(tiny_model_untied: Path) -> None:
+    """On a GPU the copies are asynchronous on the compute stream (pinned host memory, ``non_blocking``): the
+    gradients must still be those of plain checkpointing, which they would not be if backward read a host copy
+    before its copy had landed, or if the GPU block were reused before the copy had read it."""
+    kept, want = _run(Path(tiny_model_untied), offload=False, device="cuda")
+    still_held, got = _run(Path(tiny_model_untied), offload=True, device="cuda")
+    assert kept and not still_held
+    assert got.keys() == want.keys() and len(want) > 10
+    for name, g in want.items():
+        # the same kernels on the same values; a tolerance only for any nondeterministic reduction order
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)
 
 
 def test_offload_wraps_the_layer_under_the_names_of_plain_checkpointing(tiny_model_untied: Path) -> None:
