@@ -14,6 +14,7 @@ published weights are those of plain activation checkpointing.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,32 @@ class _HiddenStatesOnHost(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _checkpoint_with_input_on_host(fn: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``checkpoint(fn, ...)`` whose first argument (the layer's hidden states) is kept in host memory."""
-    if not args or not isinstance(args[0], torch.Tensor) or not torch.is_grad_enabled():
+    """``checkpoint(fn, ...)`` whose first argument (the layer's hidden states) is kept in host memory.
+
+    Only a positional input can move: the checkpoint keeps its keyword arguments in a plain dict beside the graph,
+    where no saved-tensor hook sees them.  HF decoder layers take their hidden states positionally; a layer that
+    does not is run with plain checkpointing, and says so once."""
+    if not torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    if not args or not isinstance(args[0], torch.Tensor):
+        _warn_keyword_input(fn)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
     with _HiddenStatesOnHost(args[0]):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_keyword_input(fn: nn.Module) -> None:
+    name = type(fn).__name__
+    if name not in _WARNED:
+        _WARNED.add(name)
+        log.warning(
+            "trainer.activation_offload: %s takes its hidden states by keyword; its checkpointed inputs stay on the "
+            "device",
+            name,
+        )
 
 
 def checkpointed(layer: nn.Module, *, offload: bool = False) -> nn.Module:

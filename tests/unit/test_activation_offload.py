@@ -17,6 +17,7 @@ import torch
 
 from buffer.config import ConfigError, validate
 from tests.unit.test_packing import _actor
+from trainer import activations
 from trainer.activations import checkpointed
 from trainer.sharding import decoder_layers
 
@@ -65,6 +66,41 @@ def test_on_cuda_the_inputs_go_to_pinned_host_memory_and_come_back_in_order(tiny
     for name, g in want.items():
         # the same kernels on the same values; a tolerance only for any nondeterministic reduction order
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)
+
+
+class _Layer(torch.nn.Module):
+    """A layer that takes its hidden states by keyword, as some decoder layers are called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, *, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(hidden_states)) * hidden_states
+
+
+def test_hidden_states_passed_by_keyword_stay_and_say_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The checkpoint keeps keyword tensors in a dict beside the graph, out of the hooks' reach: the step must still
+    # be plain checkpointing's, and the run must say that nothing moved (once per layer class).
+    monkeypatch.setattr(activations, "_WARNED", set())
+    torch.manual_seed(0)
+    layer = checkpointed(_Layer(), offload=True)
+    x = torch.randn(3, 8, requires_grad=True)
+    with caplog.at_level("WARNING", logger="trainer.activations"):
+        layer(hidden_states=x * 2).sum().backward()
+        layer(hidden_states=x * 2).sum().backward()
+    said = [r.getMessage() for r in caplog.records if "activation_offload" in r.getMessage()]
+    assert said == [
+        "trainer.activation_offload: _Layer takes its hidden states by keyword; its checkpointed inputs stay on the "
+        "device"
+    ]
+    torch.manual_seed(0)
+    plain, y = _Layer(), x.detach().clone().requires_grad_()
+    for _ in range(2):
+        plain(hidden_states=y * 2).sum().backward()
+    assert x.grad is not None and y.grad is not None and torch.equal(x.grad, y.grad)
 
 
 def test_offload_wraps_the_layer_under_the_names_of_plain_checkpointing(tiny_model_untied: Path) -> None:
