@@ -14,6 +14,8 @@ published weights are those of plain activation checkpointing.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -64,27 +66,22 @@ def _checkpoint_with_input_on_host(fn: nn.Module, *args: Any, **kwargs: Any) -> 
     Only a positional input can move: the checkpoint keeps its keyword arguments in a plain dict beside the graph,
     where no saved-tensor hook sees them.  HF decoder layers take their hidden states positionally; a layer that
     does not is run with plain checkpointing, and says so once."""
-    if not torch.is_grad_enabled():
+    hooks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if torch.is_grad_enabled():
+        if args and isinstance(args[0], torch.Tensor):
+            hooks = _HiddenStatesOnHost(args[0])
+        else:
+            _warn_keyword_input(type(fn).__name__)
+    with hooks:
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    if not args or not isinstance(args[0], torch.Tensor):
-        _warn_keyword_input(fn)
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    with _HiddenStatesOnHost(args[0]):
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_keyword_input(fn: nn.Module) -> None:
-    name = type(fn).__name__
-    if name not in _WARNED:
-        _WARNED.add(name)
-        log.warning(
-            "trainer.activation_offload: %s takes its hidden states by keyword; its checkpointed inputs stay on the "
-            "device",
-            name,
-        )
+@functools.cache
+def _warn_keyword_input(layer_class: str) -> None:
+    log.warning(
+        "trainer.activation_offload: %s takes its hidden states by keyword; its checkpointed inputs stay on the device",
+        layer_class,
+    )
 
 
 def checkpointed(layer: nn.Module, *, offload: bool = False) -> nn.Module:

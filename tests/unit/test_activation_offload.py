@@ -79,12 +79,10 @@ class _Layer(torch.nn.Module):
         return torch.tanh(self.proj(hidden_states)) * hidden_states
 
 
-def test_hidden_states_passed_by_keyword_stay_and_say_so(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hidden_states_passed_by_keyword_stay_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
     # The checkpoint keeps keyword tensors in a dict beside the graph, out of the hooks' reach: the step must still
     # be plain checkpointing's, and the run must say that nothing moved (once per layer class).
-    monkeypatch.setattr(activations, "_WARNED", set())
+    activations._warn_keyword_input.cache_clear()
     torch.manual_seed(0)
     layer = checkpointed(_Layer(), offload=True)
     x = torch.randn(3, 8, requires_grad=True)
