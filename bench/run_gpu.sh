@@ -6,7 +6,8 @@
 #   trainer7b    the same at the Qwen2.5-7B shape (a full AdamW step fits on one H200: 117.9 GiB at its peak)
 #   profile      where the 1.5B step's time goes, bare and trainer side by side (bench/trainer.py --profile), with
 #                trainer.kernels eager and compile, PROFILE_RUNS (2) times each
-#   profile7b    the same at the 7B shape (bare and trainer, no bare AdamW)
+#   profile7b    the same at the 7B shape (bare and trainer, no bare AdamW); PROFILE_KERNELS ("eager compile") picks
+#                which trainer.kernels settings run
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
 #                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
@@ -71,7 +72,7 @@ for s in $SECTIONS; do
                 for k in eager compile; do $RUN bench/trainer.py --bare-adam --profile --kernels $k; done
             done ;;
         profile7b)
-            for k in eager compile; do
+            for k in ${PROFILE_KERNELS:-eager compile}; do
                 $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --profile --kernels $k --warmup 1 --steps 3
             done ;;
         long7b)
