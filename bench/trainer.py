@@ -95,6 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="trainer.activation_offload for every path: checkpointed layers' inputs in host memory",
     )
     p.add_argument(
+        "--fsdp-prefetch",
+        type=int,
+        default=1,
+        help="trainer.fsdp_prefetch for every path: decoder layers whose all-gathers run ahead (1 = FSDP2's own)",
+    )
+    p.add_argument(
         "--lora", type=int, default=0, help="model.lora.rank for the trainer path (the bare path stays full)"
     )
     p.add_argument(
@@ -349,6 +355,7 @@ def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool)
         activation_checkpointing=t.activation_checkpointing,
         activation_offload=t.activation_offload,
         cpu_offload=t.cpu_offload,
+        prefetch=t.fsdp_prefetch,
     )
     opt = build_optimizer(bare, lr=1e-6) if adam else None
     batches = bare_batches(cfg, samples, device)
@@ -389,6 +396,7 @@ def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> tuple
         activation_offload=t.activation_offload,
         cpu_offload=t.cpu_offload,
         kernels=t.kernels,
+        prefetch=t.fsdp_prefetch,
     )
     opt = build_optimizer(actor, lr=1e-6, betas=t.betas, weight_decay=t.weight_decay)
     sched = build_scheduler(opt, warmup_steps=0, schedule="constant", total_steps=1)
@@ -467,6 +475,7 @@ def make_config(args: argparse.Namespace, packing: bool) -> Any:
         "param_dtype": args.param_dtype,
         "packing": packing,
         "cpu_offload": args.cpu_offload,
+        "fsdp_prefetch": args.fsdp_prefetch,
         "kernels": args.kernels,
         # sequence parallelism splits packed rows; the padded comparison path stays data-parallel
         "sequence_parallel": args.sequence_parallel if packing else 1,
@@ -540,7 +549,8 @@ def main(argv: list[str] | None = None) -> None:
             f"preset {args.preset}: {params / 1e6:.1f}M params, {world} rank(s) on {device.type}, compute {dtype}, "
             f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}"
             f"{' (inputs in host memory)' if args.activation_offload else ''}, "
-            f"cpu offload {'on' if args.cpu_offload else 'off'}, trainer LoRA rank {args.lora}, "
+            f"cpu offload {'on' if args.cpu_offload else 'off'}, FSDP prefetch {args.fsdp_prefetch} layer(s), "
+            f"trainer LoRA rank {args.lora}, "
             f"sequence parallel {args.sequence_parallel}; "
             f"{args.samples_per_rank} x {args.seq_len} real tokens per rank ({args.prompt_len} prompt), "
             f"micro-batches of <= {args.microbatch_tokens} tokens; mean of {args.steps} steps after {args.warmup}",

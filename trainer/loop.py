@@ -121,6 +121,7 @@ def build_models(run: Run) -> Models:
         "activation_offload": t.activation_offload,
         "cpu_offload": t.cpu_offload,
         "kernels": t.kernels,
+        "prefetch": t.fsdp_prefetch,
     }
     schedule: dict[str, Any] = {
         "warmup_steps": t.warmup_steps,
@@ -135,7 +136,12 @@ def build_models(run: Run) -> Models:
             AdaptersOff(actor)
             if cfg.model.lora.enabled
             else build_reference(
-                run.model_dir, device, param_dtype=t.param_dtype, cpu_offload=t.cpu_offload, kernels=t.kernels
+                run.model_dir,
+                device,
+                param_dtype=t.param_dtype,
+                cpu_offload=t.cpu_offload,
+                kernels=t.kernels,
+                prefetch=t.fsdp_prefetch,
             )
         )
     if cfg.algorithm.name == "ppo":

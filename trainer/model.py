@@ -54,6 +54,7 @@ def build_actor(
     activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
+    prefetch: int = 1,
     lora: Any = None,
 ) -> Actor:
     """The trainable actor, sharded over all ranks, in train mode; ``lora`` (``model.lora``) with rank > 0 puts
@@ -67,6 +68,7 @@ def build_actor(
         activation_offload=activation_offload,
         cpu_offload=cpu_offload,
         kernels=kernels,
+        prefetch=prefetch,
     )
 
 
@@ -79,6 +81,7 @@ def shard_actor(
     activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
+    prefetch: int = 1,
 ) -> Actor:
     """Wrap an already built HF causal LM (fp32 on CPU or ``device``; on the meta device on ranks other than 0, see
     ``load_once``) as a sharded ``Actor``."""
@@ -92,6 +95,7 @@ def shard_actor(
         activation_offload=activation_offload,
         cpu_offload=cpu_offload,
         kernels=kernels,
+        prefetch=prefetch,
     )
     return actor.train()
 
@@ -103,11 +107,14 @@ def build_reference(
     param_dtype: ParamDtype = "auto",
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
+    prefetch: int = 1,
 ) -> Actor:
     """A frozen copy of the actor's base (KL reference): sharded like the actor, no grad, eval mode."""
     lm = load_causal_lm(model_dir, weights=reads_weights())
     lm.requires_grad_(False)
-    actor = shard_actor(lm, device, param_dtype=param_dtype, cpu_offload=cpu_offload, kernels=kernels)
+    actor = shard_actor(
+        lm, device, param_dtype=param_dtype, cpu_offload=cpu_offload, kernels=kernels, prefetch=prefetch
+    )
     return actor.eval()
 
 
@@ -197,6 +204,7 @@ def build_critic(
     activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
+    prefetch: int = 1,
     lora: Any = None,
 ) -> Critic:
     """A critic on a copy of the base model in ``model_dir`` (its LM head dropped), sharded over all ranks;
@@ -215,6 +223,7 @@ def build_critic(
         activation_offload=activation_offload,
         cpu_offload=cpu_offload,
         kernels=kernels,
+        prefetch=prefetch,
     )
     return critic.train()
 

@@ -132,6 +132,7 @@ def shard(
     activation_offload: bool = False,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
+    prefetch: int = 1,
 ) -> None:
     """Compile the layers (``kernels``, see ``compile_layers``), apply activation checkpointing (with each layer's
     saved input in host memory when ``activation_offload``, see ``trainer/activations.py``), then ``fully_shard``
@@ -139,6 +140,7 @@ def shard(
 
     ``cpu_offload``: every unit keeps its shards (parameters, gradients, hence the optimizer state) in host memory,
     pinned on GPU so the copies around each unit's compute are asynchronous; the optimizer steps on the CPU.
+    ``prefetch``: decoder layers whose all-gathers are in flight ahead of the one computing (``set_prefetch``).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -159,6 +161,22 @@ def shard(
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload)
     fully_shard(root, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    set_prefetch(list(layers), prefetch)
+
+
+def set_prefetch(units: list[Any], depth: int) -> None:
+    """Have each sharded decoder layer start the all-gathers of the ``depth`` layers after it in forward, and of the
+    ``depth`` layers before it in backward, as soon as its own gather has landed (``trainer.fsdp_prefetch``).
+
+    ``depth`` 1 keeps FSDP2's own order, which already overlaps one gather with compute: the next layer's gather is
+    issued when that layer's hook runs. Issuing earlier matters where the CPU runs behind the GPU (hooks,
+    checkpointing, small layers), and each extra layer in flight holds its gathered parameters until used.
+    A recompute under activation checkpointing prefetches nothing: FSDP2 skips the hook's prefetch in backward."""
+    if depth <= 1:
+        return
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
 
 
 def reshard(model: nn.Module) -> None:

@@ -305,6 +305,7 @@ PER_PROCESS_FIELDS = frozenset(
         "trainer.tensorboard",
         # a layout of the computation, not of the results: a run may resume at another K
         "trainer.sequence_parallel",
+        "trainer.fsdp_prefetch",
         *(f"eval.{k}" for k in EvalConfig.model_fields),  # the evaluator is optional and may run with its own
     }
 )

@@ -454,6 +454,15 @@ class TrainerConfig(_Section):
         description="Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); "
         "the optimizer step runs on the CPU. Saves GPU memory, costs step time.",
     )
+    fsdp_prefetch: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Decoder layers whose parameter all-gathers are in flight ahead of the layer computing, in "
+        "forward and in backward. 1 is FSDP2's own overlap (the next layer's gather, issued when its turn comes); "
+        "K >= 2 issues the next K as soon as a layer's own gather lands, for steps where the CPU issues kernels "
+        "more slowly than the GPU runs them, and holds up to K - 1 more gathered layers in memory.",
+    )
     param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="FSDP2 compute dtype; auto = bf16 on GPU, fp32 on CPU."
     )

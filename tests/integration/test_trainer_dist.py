@@ -46,7 +46,8 @@ def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path, 
     "algo",
     [
         {},
-        # PPO with the whole-step whitening over ranks, the KL penalty in the reward and two updates per step
+        # PPO with the whole-step whitening over ranks, the KL penalty in the reward and two updates per step;
+        # checkpointed layers whose all-gathers run two layers ahead (their recompute in backward included)
         {
             "algorithm__name": "ppo",
             "algorithm__off_policy": "decoupled",
@@ -56,6 +57,8 @@ def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path, 
             "algorithm__gamma": "0.9",
             "algorithm__lam": "0.8",
             "trainer__updates_per_step": "2",
+            "trainer__activation_checkpointing": "true",
+            "trainer__fsdp_prefetch": "2",
         },
         # parameters, gradients and optimizer state in host memory (FSDP2 CPU offload), two updates: the second
         # sees the weights the offloaded optimizer moved
