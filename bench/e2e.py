@@ -523,6 +523,7 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
     busy = (1 - idle) * (t1 - t0) / len(trained)
     batch_s = workers["worker_batch_s_mean"]
     hist = staleness(layout, plans, trained, metrics)
+    tokens = consumed_tokens(metrics, plans, trained, t1 - t0)
     return {
         "measured_steps": [steps[0], steps[-1]],
         "trained_steps": len(trained),
@@ -539,8 +540,19 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
         "dropped_samples": sum(plans[s].dropped for s in steps),
         "dropped_samples_all_steps": sum(p.dropped for p in plans.values()),
-        **consumed_tokens(metrics, plans, trained, t1 - t0),
+        **tokens,
+        "generated_samples_per_s": generated_samples(workers, tokens["consumed_response_len_mean"]),
     }
+
+
+def generated_samples(workers: dict[str, Any], mean_len: float | None) -> float | None:
+    """Samples the workers generated per second inside the window, counted as their response tokens over the
+    consumed samples' mean length: the rate a long run settles at.  Over a short window a decoupled trainer also
+    eats the backlog its workers built before the window, so its samples/s runs above this; a synchronous worker
+    has no backlog and the two agree."""
+    if not mean_len:
+        return None
+    return workers["worker_tokens_per_s"] * max(1, len(workers["workers_seen"])) / mean_len
 
 
 def consumed_tokens(
@@ -579,6 +591,15 @@ def ratios(results: dict[str, dict[str, Any]], baseline: str = "samples_per_s") 
         for name, r in results.items()
         if name != "sync" and "samples_per_s" in r
     }
+
+
+def generated_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each mode's generated samples/s (``generated_samples``) over sync's."""
+    key = "generated_samples_per_s"
+    sync = results.get("sync", {}).get(key)
+    if not sync:
+        return {}
+    return {name: r[key] / sync for name, r in results.items() if name != "sync" and r.get(key) is not None}
 
 
 def streaming_ratios(results: dict[str, dict[str, Any]], key: str = "samples_per_s") -> dict[str, float]:
@@ -637,6 +658,16 @@ def table(results: dict[str, dict[str, Any]], ratio: dict[str, float], vs_serial
                 f"{name}: the trainer consumed {r['consumed_tokens_per_s']:.0f} response tokens/s, "
                 f"{r['consumed_response_len_mean']:.1f} a sample"
             )
+        if r.get("generated_samples_per_s") is not None:
+            rows.append(
+                f"{name}: the workers generated {r['generated_samples_per_s']:.1f} samples/s inside the window "
+                "(what the trainer consumed beyond that came from the backlog built before it)"
+            )
+    generated = generated_ratios(results)
+    if generated:
+        rows.append(
+            "generated samples/s over sync's: " + ", ".join(f"{k} {v:.2f}" for k, v in generated.items())
+        )
     stream = streaming_ratios(results)
     if stream:
         by_tokens = streaming_ratios(results, "consumed_tokens_per_s")
@@ -820,6 +851,7 @@ def write_out(args: argparse.Namespace, shape: Shape, results: dict[str, dict[st
         "ratio_vs_sync": ratio,
         "ratio": next((ratio[n] for n, _, _ in args.mode_list if n in ratio), None),
         "ratio_vs_serial_estimate": ratios(results, "serial_estimate_samples_per_s"),
+        "ratio_vs_sync_generated": generated_ratios(results),
         "ratio_streaming_vs_batch": streaming_ratios(results),
         "ratio_streaming_vs_batch_tokens": streaming_ratios(results, "consumed_tokens_per_s"),
     }

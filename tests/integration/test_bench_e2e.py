@@ -56,11 +56,16 @@ def test_e2e_bench_writes_both_modes_and_their_ratio(tmp_path: Path) -> None:
         assert mode["consumed_tokens_per_s"] == pytest.approx(
             mode["consumed_response_len_mean"] * SAMPLES / mode["window_s"]
         )
+        # the workers' own rate inside the window, at the consumed samples' mean length
+        assert mode["generated_samples_per_s"] == pytest.approx(
+            mode["worker_tokens_per_s"] * len(mode["workers_seen"]) / mode["consumed_response_len_mean"]
+        )
     # sync consumes only samples of the trainer's newest weights; staleness 1 never anything older
     assert set(result["modes"]["sync"]["staleness_hist"]) == {"0"}
     assert set(result["modes"]["1"]["staleness_hist"]) <= {"0", "1"}
     assert result["ratio"] == pytest.approx(
         result["modes"]["1"]["samples_per_s"] / result["modes"]["sync"]["samples_per_s"]
     )
+    assert set(result["ratio_vs_sync_generated"]) <= {"1"}
     assert "sync" in done.stdout and "samples/s" in done.stdout  # the table was printed
     assert not any(p.is_dir() for p in tmp_path.iterdir()), "run directories are removed without --keep"
