@@ -29,6 +29,7 @@ from .algorithms import (
     ReinforcePPConfig,
     RlooConfig,
 )
+from .env import EnvConfig
 from .fields import field_annotations, section_fields
 from .load import load_run_config, load_toml, validate
 from .overrides import (
@@ -51,7 +52,6 @@ from .sections import (
     LORA_TARGETS,
     AdapterConfig,
     DataConfig,
-    EnvConfig,
     EvalConfig,
     LoraConfig,
     ModelConfig,

@@ -14,9 +14,9 @@ from .algorithms import (
     Algorithm,
     GrpoConfig,
 )
+from .env import EnvConfig
 from .sections import (
     DataConfig,
-    EnvConfig,
     EvalConfig,
     ModelConfig,
     RewardConfig,
