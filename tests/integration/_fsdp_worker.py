@@ -8,6 +8,9 @@ Modes:
   load-once OUT MODEL                   build the actor (plain and LoRA), the reference and a LoRA critic as the trainer
                                         does; write what each rank read from disk, and on rank 0 compare the gathered
                                         weights, buffers and logprobs with an unsharded load, into OUT/load-once.json
+  prefetch OUT MODEL                    one forward and backward of a checkpointed actor per trainer.fsdp_prefetch
+                                        setting (1, 2), profiled: FSDP2's prefetch ranges, the loss and the gradient
+                                        norm of each, into OUT/prefetch.json
   resume RUN MODEL OUT TAG [STEPS]      load the newest complete checkpoint, dump it as OUT/TAG.*, then optionally
                                         train and checkpoint STEPS more steps, dump again as OUT/TAG-after.* and
                                         publish weight version 1 (float32) into RUN
@@ -270,6 +273,32 @@ def mode_load_once(out: Path, model_dir: str, device: torch.device) -> None:
     (out / "load-once.json").write_text(json.dumps(report, indent=1))
 
 
+def mode_prefetch(out: Path, model_dir: str, device: torch.device) -> None:
+    from torch.profiler import profile
+
+    report = {}
+    for depth in (1, 2):
+        actor = build_actor(
+            model_dir, device, param_dtype="float32", activation_checkpointing=True, prefetch=depth
+        )
+        ids, mask = batch(actor.config.vocab_size, 7 + tdist.rank())
+        with profile() as prof:
+            logp, _ = token_logprobs_and_entropy(
+                actor, ids.to(device), attention_mask=mask.to(device), chunk=CHUNK
+            )
+            loss = -(logp * mask.to(device)).sum()
+            loss.backward()
+        names = [e.name.split(" for ")[0] for e in prof.events()]
+        report[str(depth)] = {
+            "forward_prefetch": names.count("FSDP::forward_prefetch"),
+            "backward_prefetch": names.count("FSDP::backward_prefetch"),
+            "loss": float(loss),
+            "grad_norm": float(clip_grad_norm_(actor.parameters(), 1e9)),
+        }
+    if tdist.is_main():
+        (out / "prefetch.json").write_text(json.dumps(report, indent=1))
+
+
 def main() -> None:
     mode, *args = sys.argv[1:]
     device = tdist.init(os.environ.get("SHARDRL_WORKER_DEVICE", "cpu"))  # type: ignore[arg-type]
@@ -280,6 +309,8 @@ def main() -> None:
         mode_train_save(Path(args[0]), args[1], Path(args[2]), args[3], int(args[4]), device)
     elif mode == "load-once":
         mode_load_once(Path(args[0]), args[1], device)
+    elif mode == "prefetch":
+        mode_prefetch(Path(args[0]), args[1], device)
     elif mode == "resume":
         more = int(args[4]) if len(args) > 4 else 0
         mode_resume(Path(args[0]), args[1], Path(args[2]), args[3], more, device)

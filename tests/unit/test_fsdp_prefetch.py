@@ -1,7 +1,8 @@
 """``trainer.fsdp_prefetch``: which layers each sharded decoder layer gathers ahead, and the setting's bounds.
 
-The numbers are checked where FSDP2 really gathers: ``tests/integration/test_trainer_dist.py`` (the PPO case) trains
-with two layers in flight on 2 gloo ranks and compares the gradient with one process's.
+Where FSDP2 really gathers: ``tests/integration/test_fsdp_prefetch.py`` profiles the prefetches on 2 gloo ranks, and
+the PPO case of ``tests/integration/test_trainer_dist.py`` trains with two layers in flight and compares the gradient
+with one process's.
 """
 
 from __future__ import annotations
