@@ -62,6 +62,7 @@ from buffer.plans import sample_ids_of, valid_plans
 
 POLL_S = 0.1  # how often this process samples the status records
 UNBOUNDED = 10**9  # a backlog bound no run reaches
+GENERATED = "generated_samples_per_s"  # a mode's samples/s generated inside its window (generated_samples)
 
 
 def demo_config() -> Path:
@@ -541,7 +542,7 @@ def analyse(layout: RunLayout, poller: Poller, warmup: int) -> dict[str, Any]:
         "dropped_samples": sum(plans[s].dropped for s in steps),
         "dropped_samples_all_steps": sum(p.dropped for p in plans.values()),
         **tokens,
-        "generated_samples_per_s": generated_samples(workers, tokens["consumed_response_len_mean"]),
+        GENERATED: generated_samples(workers, tokens["consumed_response_len_mean"]),
     }
 
 
@@ -581,22 +582,12 @@ def engine_of(layout: RunLayout) -> str | None:
 # ------------------------------------------------------------------------------------------------------ report
 
 
-def ratios(results: dict[str, dict[str, Any]], baseline: str = "samples_per_s") -> dict[str, float]:
-    """samples/s of each mode over sync's (its measured figure, or its serial estimate)."""
+def ratios(
+    results: dict[str, dict[str, Any]], baseline: str = "samples_per_s", key: str = "samples_per_s"
+) -> dict[str, float]:
+    """``key`` (samples/s, or the samples/s generated inside the window) of each mode over sync's ``baseline`` (its
+    measured figure, or its serial estimate)."""
     sync = results.get("sync", {}).get(baseline)
-    if not sync:
-        return {}
-    return {
-        name: r["samples_per_s"] / sync
-        for name, r in results.items()
-        if name != "sync" and "samples_per_s" in r
-    }
-
-
-def generated_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Each mode's generated samples/s (``generated_samples``) over sync's."""
-    key = "generated_samples_per_s"
-    sync = results.get("sync", {}).get(key)
     if not sync:
         return {}
     return {name: r[key] / sync for name, r in results.items() if name != "sync" and r.get(key) is not None}
@@ -658,12 +649,12 @@ def table(results: dict[str, dict[str, Any]], ratio: dict[str, float], vs_serial
                 f"{name}: the trainer consumed {r['consumed_tokens_per_s']:.0f} response tokens/s, "
                 f"{r['consumed_response_len_mean']:.1f} a sample"
             )
-        if r.get("generated_samples_per_s") is not None:
+        if r.get(GENERATED) is not None:
             rows.append(
-                f"{name}: the workers generated {r['generated_samples_per_s']:.1f} samples/s inside the window "
+                f"{name}: the workers generated {r[GENERATED]:.1f} samples/s inside the window "
                 "(what the trainer consumed beyond that came from the backlog built before it)"
             )
-    generated = generated_ratios(results)
+    generated = ratios(results, GENERATED, GENERATED)
     if generated:
         rows.append(
             "generated samples/s over sync's: " + ", ".join(f"{k} {v:.2f}" for k, v in generated.items())
@@ -851,7 +842,7 @@ def write_out(args: argparse.Namespace, shape: Shape, results: dict[str, dict[st
         "ratio_vs_sync": ratio,
         "ratio": next((ratio[n] for n, _, _ in args.mode_list if n in ratio), None),
         "ratio_vs_serial_estimate": ratios(results, "serial_estimate_samples_per_s"),
-        "ratio_vs_sync_generated": generated_ratios(results),
+        "ratio_vs_sync_generated": ratios(results, GENERATED, GENERATED),
         "ratio_streaming_vs_batch": streaming_ratios(results),
         "ratio_streaming_vs_batch_tokens": streaming_ratios(results, "consumed_tokens_per_s"),
     }
