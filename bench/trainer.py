@@ -95,6 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="trainer.activation_offload for every path: checkpointed layers' inputs in host memory",
     )
     p.add_argument(
+        "--ac-skip",
+        type=int,
+        default=0,
+        metavar="K",
+        help="trainer.activation_checkpointing_skip for every path: K decoder layers keep their activations",
+    )
+    p.add_argument(
         "--fsdp-prefetch",
         type=int,
         default=1,
@@ -354,6 +361,7 @@ def run_bare(args: argparse.Namespace, cfg: Any, samples: list[Any], adam: bool)
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
         activation_offload=t.activation_offload,
+        checkpoint_skip=t.activation_checkpointing_skip,
         cpu_offload=t.cpu_offload,
         prefetch=t.fsdp_prefetch,
     )
@@ -394,6 +402,7 @@ def run_trainer(args: argparse.Namespace, cfg: Any, samples: list[Any]) -> tuple
         param_dtype=t.param_dtype,
         activation_checkpointing=t.activation_checkpointing,
         activation_offload=t.activation_offload,
+        checkpoint_skip=t.activation_checkpointing_skip,
         cpu_offload=t.cpu_offload,
         kernels=t.kernels,
         prefetch=t.fsdp_prefetch,
@@ -472,6 +481,7 @@ def make_config(args: argparse.Namespace, packing: bool) -> Any:
         "max_tokens_per_microbatch": args.microbatch_tokens,
         "activation_checkpointing": not args.no_activation_checkpointing,
         "activation_offload": args.activation_offload,
+        "activation_checkpointing_skip": args.ac_skip,
         "param_dtype": args.param_dtype,
         "packing": packing,
         "cpu_offload": args.cpu_offload,
@@ -548,7 +558,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"preset {args.preset}: {params / 1e6:.1f}M params, {world} rank(s) on {device.type}, compute {dtype}, "
             f"activation checkpointing {'off' if args.no_activation_checkpointing else 'on'}"
-            f"{' (inputs in host memory)' if args.activation_offload else ''}, "
+            f"{' (inputs in host memory)' if args.activation_offload else ''}"
+            f"{f', {args.ac_skip} layer(s) not checkpointed' if args.ac_skip else ''}, "
             f"cpu offload {'on' if args.cpu_offload else 'off'}, FSDP prefetch {args.fsdp_prefetch} layer(s), "
             f"trainer LoRA rank {args.lora}, "
             f"sequence parallel {args.sequence_parallel}; "

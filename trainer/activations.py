@@ -84,6 +84,30 @@ def _warn_keyword_input(layer_class: str) -> None:
     )
 
 
+def kept_layers(n: int, skip: int) -> set[int]:
+    """The indices of the ``skip`` decoder layers, of ``n``, that keep their activations instead of being
+    checkpointed (``trainer.activation_checkpointing_skip``), spread evenly over the depth.
+
+    Where they sit does not change the peak (every kept layer's activations live from its forward to its backward),
+    but spreading them keeps the recompute, and the host copies under ``activation_offload``, evenly interleaved
+    with the layers that need none."""
+    if not 0 <= skip <= n:
+        raise ValueError(
+            f"trainer.activation_checkpointing_skip = {skip}: the model has {n} decoder layers; accepted: 0..{n}"
+        )
+    return {int((j + 0.5) * n / skip) for j in range(skip)}
+
+
+def checkpoint_layers(layers: nn.ModuleList, *, skip: int = 0, offload: bool = False) -> None:
+    """Put every decoder layer of ``layers`` under activation checkpointing (in place), but for ``skip`` of them
+    (``kept_layers``): each layer kept saves one layer's forward in backward and holds that layer's activations for
+    a whole micro-batch, which is how a step with memory to spare trades it for speed."""
+    kept = kept_layers(len(layers), skip)
+    for i, layer in enumerate(layers):
+        if i not in kept:
+            layers[i] = checkpointed(layer, offload=offload)
+
+
 def checkpointed(layer: nn.Module, *, offload: bool = False) -> nn.Module:
     """``layer`` under non-reentrant activation checkpointing; ``offload``: its saved input in host memory."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

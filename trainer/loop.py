@@ -119,6 +119,7 @@ def build_models(run: Run) -> Models:
         "param_dtype": t.param_dtype,
         "activation_checkpointing": t.activation_checkpointing,
         "activation_offload": t.activation_offload,
+        "checkpoint_skip": t.activation_checkpointing_skip,
         "cpu_offload": t.cpu_offload,
         "kernels": t.kernels,
         "prefetch": t.fsdp_prefetch,

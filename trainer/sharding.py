@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.activations import checkpointed
+from trainer.activations import checkpoint_layers
 
 log = logging.getLogger(__name__)
 ParamDtype = Literal["auto", "float32", "bfloat16"]
@@ -130,12 +130,14 @@ def shard(
     param_dtype: ParamDtype = "auto",
     activation_checkpointing: bool = False,
     activation_offload: bool = False,
+    checkpoint_skip: int = 0,
     cpu_offload: bool = False,
     kernels: Kernels = "eager",
     prefetch: int = 1,
 ) -> None:
     """Compile the layers (``kernels``, see ``compile_layers``), apply activation checkpointing (with each layer's
-    saved input in host memory when ``activation_offload``, see ``trainer/activations.py``), then ``fully_shard``
+    saved input in host memory when ``activation_offload``, and ``checkpoint_skip`` layers left out, see
+    ``trainer/activations.py``), then ``fully_shard``
     per layer, then on ``root``, over all ranks (in place).
 
     ``cpu_offload``: every unit keeps its shards (parameters, gradients, hence the optimizer state) in host memory,
@@ -150,8 +152,7 @@ def shard(
     if resolve_kernels(kernels, device) == "compile":
         compile_layers(layers)
     if activation_checkpointing:
-        for i, layer in enumerate(layers):
-            layers[i] = checkpointed(layer, offload=activation_offload)
+        checkpoint_layers(layers, skip=checkpoint_skip, offload=activation_offload)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(
         param_dtype=resolve_param_dtype(param_dtype, device), reduce_dtype=torch.float32

@@ -212,6 +212,17 @@ def _rule_offload_checkpoints(cfg: ShardRLConfig) -> str | None:
     )
 
 
+def _rule_skip_needs_checkpoints(cfg: ShardRLConfig) -> str | None:
+    # Layers left out of checkpointing only mean something when the others are checkpointed.
+    t = cfg.trainer
+    if not t.activation_checkpointing_skip or t.activation_checkpointing:
+        return None
+    return (
+        f"trainer.activation_checkpointing_skip = {t.activation_checkpointing_skip} needs "
+        "trainer.activation_checkpointing = true: it names the layers left out of checkpointing"
+    )
+
+
 def _rule_topk_kl_is_a_loss(cfg: ShardRLConfig) -> str | None:
     # The top-k KL is computed inside the actor's own pass, with grad: it is a loss term, over whole rows.
     a, t = cfg.algorithm, cfg.trainer
@@ -280,6 +291,7 @@ RULES = (
     _rule_kl_horizon_spans_a_step,
     _rule_sequence_parallel_packs,
     _rule_offload_checkpoints,
+    _rule_skip_needs_checkpoints,
     _rule_topk_kl_is_a_loss,
     _rule_env_turn_fits_response,
     _rule_env_prompts_from_verifiers,

@@ -449,6 +449,14 @@ class TrainerConfig(_Section):
         "between forward and backward, so the GPU holds one layer's input instead of all of them; for long "
         "sequences. Costs a copy to the host and back per layer and step.",
     )
+    activation_checkpointing_skip: int = Field(
+        0,
+        ge=0,
+        description="With activation_checkpointing: this many decoder layers, spread evenly over the depth, are not "
+        "checkpointed and keep their activations for backward. Each one saves a layer's forward in backward (a "
+        "faster step) and holds that layer's activations for a whole micro-batch (more memory): for steps with "
+        "memory to spare. At most the model's layer count; 0 = every layer checkpointed.",
+    )
     cpu_offload: bool = Field(
         False,
         description="Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); "
