@@ -318,6 +318,7 @@ PER_PROCESS_FIELDS = frozenset(
         # a layout of the computation, not of the results: a run may resume at another K
         "trainer.sequence_parallel",
         "trainer.fsdp_prefetch",
+        "trainer.activation_checkpointing_skip",  # the same gradients, another memory-for-speed trade
         *(f"eval.{k}" for k in EvalConfig.model_fields),  # the evaluator is optional and may run with its own
     }
 )

@@ -47,7 +47,8 @@ def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path, 
     [
         {},
         # PPO with the whole-step whitening over ranks, the KL penalty in the reward and two updates per step;
-        # checkpointed layers whose all-gathers run two layers ahead (their recompute in backward included)
+        # checkpointed layers whose all-gathers run two layers ahead (their recompute in backward included), and one
+        # layer left out of checkpointing
         {
             "algorithm__name": "ppo",
             "algorithm__off_policy": "decoupled",
@@ -59,6 +60,7 @@ def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path, 
             "trainer__updates_per_step": "2",
             "trainer__activation_checkpointing": "true",
             "trainer__fsdp_prefetch": "2",
+            "trainer__activation_checkpointing_skip": "1",
         },
         # parameters, gradients and optimizer state in host memory (FSDP2 CPU offload), two updates: the second
         # sees the weights the offloaded optimizer moved
