@@ -8,6 +8,9 @@
 #                trainer.kernels eager and compile, PROFILE_RUNS (2) times each
 #   profile7b    the same at the 7B shape (bare and trainer, no bare AdamW); PROFILE_KERNELS ("eager compile") picks
 #                which trainer.kernels settings run
+#   skip         the 1.5B step, bare and trainer, compiled layers, with each AC_SKIP ("0 14 20") decoder layers left
+#                out of activation checkpointing (trainer.activation_checkpointing_skip; the bare path the same)
+#   skip7b       the same at the 7B shape, AC_SKIP7 ("0 4")
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
 #                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
@@ -80,6 +83,12 @@ for s in $SECTIONS; do
             $L7 --seq-len "${LONG_FULL:-98304}" --microbatch-tokens "${LONG_FULL:-98304}" --activation-offload --warmup 1 --steps 2
             $L7 --seq-len "${LONG_LORA:-262144}" --microbatch-tokens "${LONG_LORA:-262144}" --activation-offload --lora 64 --warmup 0 --steps 1
             $L7 --seq-len 65536 --microbatch-tokens 65536 --warmup 1 --steps 2 ;;
+        skip)
+            for k in ${AC_SKIP:-0 14 20}; do $RUN bench/trainer.py --paths bare,trainer --kernels compile --ac-skip "$k"; done ;;
+        skip7b)
+            for k in ${AC_SKIP7:-0 4}; do
+                $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --kernels compile --ac-skip "$k" --warmup 1 --steps 3
+            done ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
         offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;
