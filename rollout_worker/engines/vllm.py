@@ -44,6 +44,7 @@ from rollout_worker.engines.base import (
     safetensors_files,
     sample_seed,
 )
+from rollout_worker.engines.gpu_start import engine_start
 from rollout_worker.engines.spec import EngineSpec
 
 EXTENSION = f"{__name__}.WorkerExtension"
@@ -265,7 +266,7 @@ class VllmEngine:
         self.detokenize = spec.detokenize
         self.max_model_len = int(self.kwargs["max_model_len"])
         self.log_offset = _stderr_size()  # the engine's processes write to our stderr from here on
-        with engine_errors(self.log_offset):
+        with engine_errors(self.log_offset), engine_start(self.kwargs, cpu=current_platform.is_cpu()):
             self.llm = LLM(**self.kwargs)
         self.tokenizer = engine_tokenizer(self.llm, model_dir, spec.detokenize)
         self.last_reload_s = 0.0

@@ -47,6 +47,7 @@ from rollout_worker.engines.base import (
     require_model_dir,
     safetensors_files,
 )
+from rollout_worker.engines.gpu_start import engine_start
 from rollout_worker.engines.spec import EngineSpec
 from rollout_worker.engines.vllm import (
     EngineDied,
@@ -132,7 +133,8 @@ class StreamingVllmEngine:
         self._thread.start()
         self.log_offset = _stderr_size()
         try:
-            self.engine = self._call(self._build(), START_TIMEOUT_S)
+            with engine_start(self.kwargs, cpu=current_platform.is_cpu()):
+                self.engine = self._call(self._build(), START_TIMEOUT_S)
         except Exception as e:
             self._stop_loop()
             raise self._died(e) from e
