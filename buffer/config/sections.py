@@ -314,7 +314,12 @@ class RolloutConfig(_Section):
         "vllm or auto; `--rollout.engine hf` on a command line drops them.",
     )
     max_local_workers: int | None = Field(
-        None, ge=0, description="Worker slots per node; default: visible GPUs, or `cpu_workers` without GPUs."
+        None,
+        ge=0,
+        description="Worker slots per node; default: visible GPUs (GPU groups of vllm.tensor_parallel_size), or "
+        "`cpu_workers` without GPUs. More slots than GPU groups share them round-robin: give each vLLM worker its "
+        "share with vllm.gpu_memory_utilization; engines sharing a GPU start one at a time (each sizes its KV cache "
+        "from the memory it sees free).",
     )
     cpu_workers: int = Field(1, ge=1, description="Local worker slots on a node without GPUs.")
     prompts_per_batch: int = Field(16, ge=1, description="Prompts per generate() call (x n samples).")
