@@ -460,7 +460,8 @@ class TrainerConfig(_Section):
         description="With activation_checkpointing: this many decoder layers, spread evenly over the depth, are not "
         "checkpointed and keep their activations for backward. Each one saves a layer's forward in backward (a "
         "faster step) and holds that layer's activations for a whole micro-batch (more memory): for steps with "
-        "memory to spare. At most the model's layer count; 0 = every layer checkpointed.",
+        "memory to spare; activation_offload moves none of theirs to host memory. At most the model's layer "
+        "count; 0 = every layer checkpointed.",
     )
     cpu_offload: bool = Field(
         False,
