@@ -1,7 +1,8 @@
 """GPU checks (NCCL, bf16): skipped where no CUDA device is visible, as in CI.
 
-The trainer on all visible GPUs (torchrun, NCCL, bf16 compute) trains on synthetic shards and publishes weights that
-load in transformers; the published bf16 weights give the logits of the trainer's own next version.
+The trainer on all visible GPUs (torchrun, NCCL, bf16 compute, compiled layers, checkpointed but for one, two layers'
+all-gathers in flight) trains on synthetic shards and publishes weights that load in transformers; the published
+bf16 weights give the logits of the trainer's own next version.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ def test_nccl_trainer_trains_and_publishes_bf16(tmp_path: Path, tiny_model_untie
     import torch
 
     gpus = torch.cuda.device_count()
-    layout = make_run(tmp_path / "run", tiny_model_untied, model__dtype="bfloat16", trainer__save_every=2)
+    # checkpointed layers but one, whose all-gathers run two layers ahead (compiled layers: trainer.kernels is "auto")
+    layout = make_run(
+        tmp_path / "run",
+        tiny_model_untied,
+        model__dtype="bfloat16",
+        trainer__save_every=2,
+        trainer__activation_checkpointing="true",
+        trainer__activation_checkpointing_skip="1",
+        trainer__fsdp_prefetch="2",
+    )
     synth(layout, shards=4, samples=32)
     run_ok(command(gpus, *trainer_args(layout, "--max-steps", 3)), tmp_path / "trainer.log")
     assert sorted(plans.valid_plans(layout)) == [1, 2, 3]
