@@ -10,6 +10,12 @@ from pydantic import Field, field_validator, model_validator
 from .sections import _Section
 
 
+def _names_a_function(name: str) -> bool:
+    """Whether ``name`` reads `package.module:function`."""
+    module, _, attr = name.partition(":")
+    return bool(module) and attr.isidentifier()
+
+
 class EnvConfig(_Section):
     """Multi-turn episodes (rollout_worker/envs): tools the model may call, an agent that calls the model through
     an OpenAI-compatible endpoint, or a verifiers environment, and the limits of one episode; off while `tools` is
@@ -79,8 +85,7 @@ class EnvConfig(_Section):
     @classmethod
     def _module_function(cls, v: list[str]) -> list[str]:
         for name in v:
-            module, _, attr = name.partition(":")
-            if not module or not attr.isidentifier():
+            if not _names_a_function(name):
                 raise ValueError(f"{name!r} is not `package.module:function`")
         if len(set(v)) != len(v):
             raise ValueError(f"{v!r} names a tool twice")
@@ -89,8 +94,7 @@ class EnvConfig(_Section):
     @field_validator("agent")
     @classmethod
     def _agent_module_function(cls, v: str | None) -> str | None:
-        module, _, attr = (v or "m:f").partition(":")
-        if not module or not attr.isidentifier():
+        if v is not None and not _names_a_function(v):
             raise ValueError(f"{v!r} is not `package.module:function`")
         return v
 
