@@ -11,16 +11,11 @@ from buffer.config import ShardRLConfig
 from rollout_worker.engines import resolve_kind
 
 
-def named_gpus(visible: str) -> list[str]:
-    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value names (indices or UUIDs), in its order; a negative entry names none."""
-    return [d.strip() for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]
-
-
 def visible_gpus() -> list[str]:
     """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else what ``nvidia-smi -L`` lists."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return named_gpus(env)
+        return [d.strip() for d in env.split(",") if d.strip() and not d.strip().startswith("-")]
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError):

@@ -137,7 +137,8 @@ def shard(
 ) -> None:
     """Compile the layers (``kernels``, see ``compile_layers``), apply activation checkpointing (with each layer's
     saved input in host memory when ``activation_offload``, and ``checkpoint_skip`` layers left out, see
-    ``trainer/activations.py``), then ``fully_shard`` per layer, then on ``root``, over all ranks (in place).
+    ``trainer/activations.py``), then ``fully_shard``
+    per layer, then on ``root``, over all ranks (in place).
 
     ``cpu_offload``: every unit keeps its shards (parameters, gradients, hence the optimizer state) in host memory,
     pinned on GPU so the copies around each unit's compute are asynchronous; the optimizer steps on the CPU.

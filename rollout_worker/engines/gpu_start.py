@@ -33,13 +33,11 @@ WAIT_S = 900.0
 def engine_gpus(tensor_parallel_size: int, visible: str | None = None) -> list[str]:
     """The GPUs an engine with ``tensor_parallel_size`` ranks uses: the first ones ``CUDA_VISIBLE_DEVICES`` names,
     or the first indices when it is unset."""
-    from rollout_worker.devices import named_gpus  # here: vLLM's own processes import this module too
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     size = max(1, tensor_parallel_size)
     if visible is None:
         return [str(i) for i in range(size)]
-    return named_gpus(visible)[:size]
+    return [d.strip() for d in visible.split(",") if d.strip()][:size]
 
 
 def lock_dir() -> Path:
