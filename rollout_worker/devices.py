@@ -9,13 +9,14 @@ from dataclasses import dataclass
 
 from buffer.config import ShardRLConfig
 from rollout_worker.engines import resolve_kind
+from rollout_worker.engines.gpu_start import named_gpus
 
 
 def visible_gpus() -> list[str]:
     """GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else what ``nvidia-smi -L`` lists."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
-        return [d.strip() for d in env.split(",") if d.strip() and not d.strip().startswith("-")]
+        return named_gpus(env)
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError):

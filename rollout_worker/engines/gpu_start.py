@@ -30,6 +30,17 @@ log = logging.getLogger(__name__)
 WAIT_S = 900.0
 
 
+def named_gpus(visible: str) -> list[str]:
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value names, in its order (indices or UUIDs).  CUDA stops at the first
+    entry that names no device, so a negative index hides itself and every entry after it."""
+    names: list[str] = []
+    for entry in (d.strip() for d in visible.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        names.append(entry)
+    return names
+
+
 def engine_gpus(tensor_parallel_size: int, visible: str | None = None) -> list[str]:
     """The GPUs an engine with ``tensor_parallel_size`` ranks uses: the first ones ``CUDA_VISIBLE_DEVICES`` names,
     or the first indices when it is unset."""
@@ -37,7 +48,7 @@ def engine_gpus(tensor_parallel_size: int, visible: str | None = None) -> list[s
     size = max(1, tensor_parallel_size)
     if visible is None:
         return [str(i) for i in range(size)]
-    return [d.strip() for d in visible.split(",") if d.strip()][:size]
+    return named_gpus(visible)[:size]
 
 
 def lock_dir() -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_worker.engines.gpu_start import engine_gpus, engine_start, one_start_per_gpu
+from rollout_worker.engines.gpu_start import engine_gpus, engine_start, named_gpus, one_start_per_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 # A process that takes GPU "0"'s start lock, says so in a file, and holds it until a file appears.
@@ -53,6 +53,9 @@ def test_the_gpus_an_engine_uses_are_the_first_ones_it_sees(monkeypatch: pytest.
     assert engine_gpus(1, "3,1,2") == ["3"]
     assert engine_gpus(2, "3,1,2") == ["3", "1"]
     assert engine_gpus(1, "GPU-8f2c,GPU-77aa") == ["GPU-8f2c"]
+    # as CUDA reads the variable: nothing after an entry that names no device
+    assert named_gpus(" 2, 0 ,-1,3") == ["2", "0"]
+    assert named_gpus("") == [] and named_gpus("-1") == []
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert engine_gpus(2) == ["0", "1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
