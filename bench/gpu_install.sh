@@ -4,7 +4,10 @@
 #   bash bench/gpu_install.sh fetch DIR            where pip reaches an index: download the pinned wheels into DIR
 #   bash bench/gpu_install.sh split DIR OUT        cut DIR into folders OUT/p1.. and OUT/d1.. of at most ~60 MiB each
 #   bash bench/gpu_install.sh stash FOLDER         on the GPU node: add one folder's files to the stash
+#   bash bench/gpu_install.sh slim DIR OUT         where the wheels are: a Hopper-only vLLM tree, packed with zstd
+#                                                  into two parts OUT/s1, OUT/s2 (two calls of 64 MiB instead of five)
 #   bash bench/gpu_install.sh install              on the GPU node: join, verify, install the stash into SITE
+#   bash bench/gpu_install.sh install-slim         on the GPU node: the same from s1, s2 and the d* folders
 #   bash bench/gpu_install.sh deps                 on the GPU node: install the stash's other wheels, no vLLM (the
 #                                                  trainer and publish benches need only shardrl's own: folders d*)
 #   source "$SITE/env.sh"                          then: python3 -c "import vllm"
@@ -21,6 +24,7 @@ SITE=${SHARDRL_GPU_SITE:-/root/shardrl-site}
 HERE=$(cd "$(dirname "$0")" && pwd)
 VLLM_WHEEL=vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
 VLLM_SHA256=adb1e4c9b46d0dfdb094121ae5aad670a42412dd813ed4e5db069ed6a15006de
+SLIM=vllm-0.26.0-sm90.tar.zst
 PLATFORMS=(--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64
     --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
     --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux1_x86_64)
@@ -53,6 +57,45 @@ stash)
     mkdir -p "$STASH"
     cp "$FOLDER"/* "$STASH/"
     echo "stash: $(ls "$STASH" | wc -l) files, $(du -sh "$STASH" | cut -f1)"
+    ;;
+slim)
+    # What a Hopper GPU (H100, H200) never loads: FlashAttention 2's kernels (vLLM picks FA3 on SM90 unless a model
+    # uses ALiBi, which Qwen2 does not), the Rust HTTP front end (used only with VLLM_USE_RUST_FRONTEND), the CUDA
+    # headers of DeepGEMM's and the SM100 attention's JIT (FP8 and Blackwell), and other Pythons' builds.
+    DIR=${2:?usage: gpu_install.sh slim DIR OUT}
+    OUT=${3:?usage: gpu_install.sh slim DIR OUT}
+    tree=$(mktemp -d)
+    unzip -q "$DIR/$VLLM_WHEEL" -d "$tree"
+    rm -rf "$tree"/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$tree"/vllm/vllm-rs \
+        "$tree"/vllm/third_party/deep_gemm/include "$tree"/vllm/third_party/fmha_sm100/cutlass
+    find "$tree"/vllm/third_party -name '*.cpython-3*.so' ! -name '*cpython-312*' -delete
+    mkdir -p "$OUT/s1" "$OUT/s2"
+    tar -C "$tree" -cf - . | zstd -q -T0 -19 --long=30 -o "$OUT/$SLIM"
+    rm -rf "$tree"
+    (cd "$OUT" && sha256sum "$SLIM" >"s1/$SLIM.sha256")
+    split -n 2 -d -a 1 "$OUT/$SLIM" "$OUT/$SLIM.part"
+    mv "$OUT/$SLIM.part0" "$OUT/s1/" && mv "$OUT/$SLIM.part1" "$OUT/s2/" && rm "$OUT/$SLIM"
+    du -sh "$OUT"/s1 "$OUT"/s2
+    ;;
+install-slim)
+    bash "$HERE/gpu_install.sh" deps
+    cd "$STASH"
+    cat "$SLIM".part* >"$SLIM"
+    sha256sum -c --quiet "$SLIM.sha256" || {
+        echo "gpu_install: $STASH/$SLIM: sha256 mismatch (a part missing or damaged); stash s1 and s2 again" >&2
+        rm -f "$SLIM"
+        exit 1
+    }
+    # the zstandard module `deps` installed, so that the node needs no zstd binary
+    PYTHONPATH=$SITE python3 -c "
+import sys, tarfile, zstandard
+with open(sys.argv[1], 'rb') as f, zstandard.ZstdDecompressor(max_window_size=1 << 31).stream_reader(f) as z:
+    tarfile.open(fileobj=z, mode='r|').extractall(sys.argv[2], filter='data')
+" "$SLIM" "$SITE"
+    rm -f "$SLIM" "$SLIM".part*
+    # shellcheck disable=SC1091
+    source "$SITE/env.sh"
+    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
     ;;
 install)
     cd "$STASH"
