@@ -10,7 +10,8 @@
 #                which trainer.kernels settings run
 #   skip         the 1.5B step, bare and trainer, compiled layers, with each AC_SKIP ("0 14 20") decoder layers left
 #                out of activation checkpointing (trainer.activation_checkpointing_skip; the bare path the same)
-#   skip7b       the same at the 7B shape, AC_SKIP7 ("0 4")
+#   skip7b       the same at the 7B shape, AC_SKIP7 ("0 4"), SAMPLES7 (8) samples of 2048 tokens a step: 32 makes a
+#                step of four micro-batches, over which the optimizer's update is spread as in a real RL step
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
 #                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
@@ -87,7 +88,8 @@ for s in $SECTIONS; do
             for k in ${AC_SKIP:-0 14 20}; do $RUN bench/trainer.py --paths bare,trainer --kernels compile --ac-skip "$k"; done ;;
         skip7b)
             for k in ${AC_SKIP7:-0 4}; do
-                $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --kernels compile --ac-skip "$k" --warmup 1 --steps 3
+                $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --kernels compile --ac-skip "$k" \
+                    --samples-per-rank "${SAMPLES7:-8}" --warmup 1 --steps 3
             done ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
