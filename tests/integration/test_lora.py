@@ -49,6 +49,7 @@ def _token_batch(vocab: int) -> torch.Tensor:
 def _trainer_side(out: Path, models: list[str]) -> None:
     from buffer.config import LoraConfig
     from trainer import dist as tdist
+    from trainer.__main__ import leave
     from trainer.lora import AdaptersOff
     from trainer.model import build_actor, token_logprobs_and_entropy
     from trainer.publish import publish_weights
@@ -81,6 +82,7 @@ def _trainer_side(out: Path, models: list[str]) -> None:
         if tdist.is_main():
             torch.save({"ids": ids, "logp": logp, "base_logp": base_logp}, out / f"{tag}.pt")
     tdist.teardown()
+    leave(0)  # a finished rank skips the interpreter's finalization, as the trainer does
 
 
 # ------------------------------------------------------------------------------------------------- references
