@@ -29,6 +29,12 @@ PLATFORMS=(--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --pl
     --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
     --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux1_x86_64)
 
+imports_vllm() {  # the check both installs end with: vLLM imports from SITE, beside the image's torch
+    # shellcheck disable=SC1091
+    source "$SITE/env.sh"
+    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+}
+
 case ${1:-} in
 fetch)
     DIR=${2:?usage: gpu_install.sh fetch DIR}
@@ -93,9 +99,7 @@ with open(sys.argv[1], 'rb') as f, zstandard.ZstdDecompressor(max_window_size=1 
     tarfile.open(fileobj=z, mode='r|').extractall(sys.argv[2], filter='data')
 " "$SLIM" "$SITE"
     rm -f "$SLIM" "$SLIM".part*
-    # shellcheck disable=SC1091
-    source "$SITE/env.sh"
-    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    imports_vllm
     ;;
 install)
     cd "$STASH"
@@ -110,9 +114,7 @@ install)
     }
     rm -f "$VLLM_WHEEL".part*
     bash "$HERE/gpu_install.sh" site ./*.whl
-    # shellcheck disable=SC1091
-    source "$SITE/env.sh"
-    python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+    imports_vllm
     ;;
 deps)
     cd "$STASH"
