@@ -12,6 +12,8 @@
 #                out of activation checkpointing (trainer.activation_checkpointing_skip; the bare path the same)
 #   skip7b       the same at the 7B shape, AC_SKIP7 ("0 4"), SAMPLES7 (8) samples of 2048 tokens a step: 32 makes a
 #                step of four micro-batches, over which the optimizer's update is spread as in a real RL step
+#   skip7b8l     skip7b on an 80 GB GPU: 8 of the 7B shape's 28 decoder layers (bench/trainer.py --preset
+#                qwen2.5-7b-8l), AC_SKIP8L ("0 1") of them left out of checkpointing, SAMPLES7 as above
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
 #                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
@@ -64,6 +66,12 @@ RUN="python -m torch.distributed.run --nproc_per_node=$NGPU"
     2>&1 | tee "$OUT/env.txt"
 # 7B: the run's three versions (~31 GB) fill most of the 64 GB disk; the node caches go to memory
 delta7b() { $RUN bench/publish.py --preset qwen2.5-7b --delta --repeat 2 --optimizer sign --cache-dir /dev/shm; }
+skip7() {  # PRESET "K...": the compiled 7B-wide step, bare and trainer, with K layers left out of checkpointing
+    for k in $2; do
+        $RUN bench/trainer.py --preset "$1" --paths bare,trainer --kernels compile --ac-skip "$k" \
+            --samples-per-rank "${SAMPLES7:-8}" --warmup 1 --steps 3
+    done
+}
 for s in $SECTIONS; do
     echo "=== $s" | tee "$OUT/$s.txt"
     case $s in
@@ -86,11 +94,8 @@ for s in $SECTIONS; do
             $L7 --seq-len 65536 --microbatch-tokens 65536 --warmup 1 --steps 2 ;;
         skip)
             for k in ${AC_SKIP:-0 14 20}; do $RUN bench/trainer.py --paths bare,trainer --kernels compile --ac-skip "$k"; done ;;
-        skip7b)
-            for k in ${AC_SKIP7:-0 4}; do
-                $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --kernels compile --ac-skip "$k" \
-                    --samples-per-rank "${SAMPLES7:-8}" --warmup 1 --steps 3
-            done ;;
+        skip7b) skip7 qwen2.5-7b "${AC_SKIP7:-0 4}" ;;
+        skip7b8l) skip7 qwen2.5-7b-8l "${AC_SKIP8L:-0 1}" ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
         offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;

@@ -22,9 +22,11 @@ lookup, not a matmul), 6 x hidden x vocab x the response tokens (the only ones t
 reported apart, causal attention, 6 x layers x hidden x sum(sequence length^2); activation recomputation is not
 counted as useful work.
 
-``--preset qwen2.5-7b`` is the Qwen2.5-7B shape (untied, 7.6B parameters): it needs two H200s (fp32 master weights,
-gradients and AdamW state are 16 bytes per parameter), or ``--cpu-offload`` (``trainer.cpu_offload``: parameters,
+``--preset qwen2.5-7b`` is the Qwen2.5-7B shape (untied, 7.6B parameters): fp32 master weights, gradients and AdamW
+state are 16 bytes per parameter, so its full-weight step peaks at 117.9 GiB and needs one H200 (or two GPUs of
+80 GB), or ``--cpu-offload`` (``trainer.cpu_offload``: parameters,
 gradients and optimizer state in host memory, the optimizer step on the CPU), or ``--lora R`` (a frozen bf16 base).
+``--preset qwen2.5-7b-8l`` keeps 8 of those 28 decoder layers (2.95B parameters), for a GPU of 80 GB.
 
 ``--kernels`` sets ``trainer.kernels`` of the trainer path (``auto``: the decoder layers compiled on GPU; the bare
 path stays plain HF, eager).  ``--profile`` then runs ``--profile-steps`` more steps of each path with every phase
@@ -68,12 +70,22 @@ from shapes import SHAPES
 
 PEAK_BF16_FLOPS = 989e12  # per H200, dense
 PRESETS: dict[str, dict[str, Any]] = {k: SHAPES[k] for k in ("tiny", "qwen2.5-1.5b", "qwen2.5-7b")}
+# The 7B shape's decoder layers, 8 of its 28: what fits beside AdamW's state on an 80 GB GPU, so that a GPU which
+# cannot hold the whole 7B step still measures the step's speed at the 7B width.  Its embedding and LM head weigh
+# more against its layers than the whole model's do, so its MFU is a lower estimate of the 7B model's.
+PRESETS["qwen2.5-7b-8l"] = {**SHAPES["qwen2.5-7b"], "num_hidden_layers": 8}
 DEFAULT_SHAPE = {
     "tiny": (4, 128, 32),
     "qwen2.5-1.5b": (8, 2048, 512),
     "qwen2.5-7b": (8, 2048, 512),
+    "qwen2.5-7b-8l": (8, 2048, 512),
 }  # samples per rank, seq len, prompt len
-LONGTAIL_RESPONSES = {"tiny": (8, 512), "qwen2.5-1.5b": (32, 4096), "qwen2.5-7b": (32, 4096)}  # log-uniform
+LONGTAIL_RESPONSES = {
+    "tiny": (8, 512),
+    "qwen2.5-1.5b": (32, 4096),
+    "qwen2.5-7b": (32, 4096),
+    "qwen2.5-7b-8l": (32, 4096),
+}  # log-uniform
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
