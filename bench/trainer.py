@@ -23,9 +23,9 @@ reported apart, causal attention, 6 x layers x hidden x sum(sequence length^2); 
 counted as useful work.
 
 ``--preset qwen2.5-7b`` is the Qwen2.5-7B shape (untied, 7.6B parameters): fp32 master weights, gradients and AdamW
-state are 16 bytes per parameter, so its full-weight step peaks at 117.9 GiB and needs one H200 (or two GPUs of
-80 GB), or ``--cpu-offload`` (``trainer.cpu_offload``: parameters,
-gradients and optimizer state in host memory, the optimizer step on the CPU), or ``--lora R`` (a frozen bf16 base).
+state are 16 bytes per parameter, so its full-weight step peaks at 117.9 GiB on one H200 (it also ran on two), or
+``--cpu-offload`` (``trainer.cpu_offload``: parameters, gradients and optimizer state in host memory, the optimizer
+step on the CPU), or ``--lora R`` (a frozen bf16 base).
 ``--preset qwen2.5-7b-8l`` keeps 8 of those 28 decoder layers (2.95B parameters), for a GPU of 80 GB.
 
 ``--kernels`` sets ``trainer.kernels`` of the trainer path (``auto``: the decoder layers compiled on GPU; the bare
@@ -78,14 +78,10 @@ DEFAULT_SHAPE = {
     "tiny": (4, 128, 32),
     "qwen2.5-1.5b": (8, 2048, 512),
     "qwen2.5-7b": (8, 2048, 512),
-    "qwen2.5-7b-8l": (8, 2048, 512),
 }  # samples per rank, seq len, prompt len
-LONGTAIL_RESPONSES = {
-    "tiny": (8, 512),
-    "qwen2.5-1.5b": (32, 4096),
-    "qwen2.5-7b": (32, 4096),
-    "qwen2.5-7b-8l": (32, 4096),
-}  # log-uniform
+LONGTAIL_RESPONSES = {"tiny": (8, 512), "qwen2.5-1.5b": (32, 4096), "qwen2.5-7b": (32, 4096)}  # log-uniform
+DEFAULT_SHAPE["qwen2.5-7b-8l"] = DEFAULT_SHAPE["qwen2.5-7b"]  # the 7B step's samples, at fewer layers
+LONGTAIL_RESPONSES["qwen2.5-7b-8l"] = LONGTAIL_RESPONSES["qwen2.5-7b"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
