@@ -14,6 +14,8 @@
 #                step of four micro-batches, over which the optimizer's update is spread as in a real RL step
 #   skip7b8l     skip7b on an 80 GB GPU: 8 of the 7B shape's 28 decoder layers (bench/trainer.py --preset
 #                qwen2.5-7b-8l), AC_SKIP8L ("0 1") of them left out of checkpointing, SAMPLES7 as above
+#   profile7b8l  where that step's time goes: bare, bare + AdamW and trainer phase by phase, compiled layers,
+#                SAMPLES7 (32) samples a step
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
 #                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
@@ -96,6 +98,9 @@ for s in $SECTIONS; do
             for k in ${AC_SKIP:-0 14 20}; do $RUN bench/trainer.py --paths bare,trainer --kernels compile --ac-skip "$k"; done ;;
         skip7b) skip7 qwen2.5-7b "${AC_SKIP7:-0 4}" ;;
         skip7b8l) skip7 qwen2.5-7b-8l "${AC_SKIP8L:-0 1}" ;;
+        profile7b8l)
+            $RUN bench/trainer.py --preset qwen2.5-7b-8l --bare-adam --profile --kernels compile \
+                --samples-per-rank "${SAMPLES7:-32}" --warmup 1 --steps 3 ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
         offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;
