@@ -7,15 +7,15 @@
 #   profile      where the 1.5B step's time goes, bare and trainer side by side (bench/trainer.py --profile), with
 #                trainer.kernels eager and compile, PROFILE_RUNS (2) times each
 #   profile7b    the same at the 7B shape (bare and trainer, no bare AdamW); PROFILE_KERNELS ("eager compile") picks
-#                which trainer.kernels settings run
+#                which trainer.kernels settings run, SAMPLES7 (8) the samples of 2048 tokens a step
 #   skip         the 1.5B step, bare and trainer, compiled layers, with each AC_SKIP ("0 14 20") decoder layers left
 #                out of activation checkpointing (trainer.activation_checkpointing_skip; the bare path the same)
 #   skip7b       the same at the 7B shape, AC_SKIP7 ("0 4"), SAMPLES7 (8) samples of 2048 tokens a step: 32 makes a
 #                step of four micro-batches, over which the optimizer's update is spread as in a real RL step
 #   skip7b8l     skip7b on an 80 GB GPU: 8 of the 7B shape's 28 decoder layers (bench/trainer.py --preset
 #                qwen2.5-7b-8l), AC_SKIP8L ("0 1") of them left out of checkpointing, SAMPLES7 as above
-#   profile7b8l  where that step's time goes: bare, bare + AdamW and trainer phase by phase, compiled layers,
-#                SAMPLES7 (32) samples a step
+#   profile7b8l  profile7b on skip7b8l's 8 layers, with bare + AdamW too (it fits there); PROFILE_KERNELS and SAMPLES7
+#                as in profile7b
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
 #                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
@@ -74,6 +74,12 @@ skip7() {  # PRESET "K...": the compiled 7B-wide step, bare and trainer, with K 
             --samples-per-rank "${SAMPLES7:-8}" --warmup 1 --steps 3
     done
 }
+profile7() {  # PRESET PATHS: the 7B-wide step phase by phase, once for each of PROFILE_KERNELS
+    for k in ${PROFILE_KERNELS:-eager compile}; do
+        $RUN bench/trainer.py --preset "$1" --paths "$2" --bare-adam --profile --kernels "$k" \
+            --samples-per-rank "${SAMPLES7:-8}" --warmup 1 --steps 3
+    done
+}
 for s in $SECTIONS; do
     echo "=== $s" | tee "$OUT/$s.txt"
     case $s in
@@ -85,10 +91,7 @@ for s in $SECTIONS; do
             for ((run = 0; run < ${PROFILE_RUNS:-2}; run++)); do
                 for k in eager compile; do $RUN bench/trainer.py --bare-adam --profile --kernels $k; done
             done ;;
-        profile7b)
-            for k in ${PROFILE_KERNELS:-eager compile}; do
-                $RUN bench/trainer.py --preset qwen2.5-7b --paths bare,trainer --profile --kernels $k --warmup 1 --steps 3
-            done ;;
+        profile7b) profile7 qwen2.5-7b bare,trainer ;;
         long7b)
             L7="$RUN bench/trainer.py --preset qwen2.5-7b --samples-per-rank 1 --paths trainer"
             $L7 --seq-len "${LONG_FULL:-98304}" --microbatch-tokens "${LONG_FULL:-98304}" --activation-offload --warmup 1 --steps 2
@@ -98,9 +101,7 @@ for s in $SECTIONS; do
             for k in ${AC_SKIP:-0 14 20}; do $RUN bench/trainer.py --paths bare,trainer --kernels compile --ac-skip "$k"; done ;;
         skip7b) skip7 qwen2.5-7b "${AC_SKIP7:-0 4}" ;;
         skip7b8l) skip7 qwen2.5-7b-8l "${AC_SKIP8L:-0 1}" ;;
-        profile7b8l)
-            $RUN bench/trainer.py --preset qwen2.5-7b-8l --bare-adam --profile --kernels compile \
-                --samples-per-rank "${SAMPLES7:-32}" --warmup 1 --steps 3 ;;
+        profile7b8l) profile7 qwen2.5-7b-8l bare,bare-adam,trainer ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
         offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;
