@@ -16,6 +16,8 @@
 #                qwen2.5-7b-8l), AC_SKIP8L ("0 1") of them left out of checkpointing, SAMPLES7 as above
 #   profile7b8l  profile7b on skip7b8l's 8 layers, with bare + AdamW too (it fits there); PROFILE_KERNELS and SAMPLES7
 #                as in profile7b
+#   fusedhead    the trainer step with trainer.fused_head beside the one without and the bare step, compiled layers,
+#                FUSED_PRESETS ("qwen2.5-1.5b qwen2.5-7b-8l"), SAMPLES7 samples a step at the 7B width
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
 #                full weights at LONG_FULL (98304) tokens and LoRA-64 at LONG_LORA (262144), each layer's checkpointed
@@ -102,6 +104,12 @@ for s in $SECTIONS; do
         skip7b) skip7 qwen2.5-7b "${AC_SKIP7:-0 4}" ;;
         skip7b8l) skip7 qwen2.5-7b-8l "${AC_SKIP8L:-0 1}" ;;
         profile7b8l) profile7 qwen2.5-7b-8l bare,bare-adam,trainer ;;
+        fusedhead)
+            for p in ${FUSED_PRESETS:-qwen2.5-1.5b qwen2.5-7b-8l}; do
+                n=8; [ "$p" = qwen2.5-1.5b ] || n=${SAMPLES7:-8}
+                $RUN bench/trainer.py --preset "$p" --paths bare,trainer,trainer-fused --kernels compile \
+                    --samples-per-rank "$n" --warmup 1 --steps 3
+            done ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;
         offload) $RUN bench/trainer.py --paths trainer && $RUN bench/trainer.py --cpu-offload --paths trainer ;;
         offload7b) $RUN bench/trainer.py --preset qwen2.5-7b --cpu-offload --paths trainer --warmup 1 --steps 2 ;;

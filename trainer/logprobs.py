@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer import sequence_parallel as seqpar
 from trainer.attention import PackedRow, pack, packed_row, packing_kwargs, unpack, use_packed_attention
+from trainer.fused_head import HeadLoss, fused_head
 from trainer.phases import phase
 from trainer.sharding import reshard
 
@@ -122,6 +123,7 @@ def head_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     topk: TopK | None = None,
+    loss: HeadLoss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the LM head chunk by chunk to the positions that predict the tokens marked in ``want``.
 
@@ -129,7 +131,8 @@ def head_logprobs_and_entropy(
     zero where ``want`` is false or t = 0.  With grad, each chunk runs under ``torch.utils.checkpoint``: only its
     [n, H] input is kept and its logits are recomputed in backward, so at most one chunk of logits is alive.
     ``topk``: an empty one is filled with this model's top tokens (the reference's pass); a filled one gets the
-    KL to them in ``topk.kl`` (the actor's pass), see ``TopK``.
+    KL to them in ``topk.kl`` (the actor's pass), see ``TopK``.  ``loss``: with grad, the head computes its
+    gradient in forward from the loss (``trainer/fused_head.py``) and returns detached values; not with ``topk``.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -150,6 +153,11 @@ def head_logprobs_and_entropy(
             f"the reference's top tokens cover {topk.index.shape[0]} positions, this pass scores {h.shape[0]}: "
             "they must come from the same batch"
         )
+    zeros = torch.zeros(want.shape, dtype=torch.float32, device=hidden.device)
+    if loss is not None and grad and h.shape[0] > 0:
+        if topk is not None:
+            raise ValueError("the fused head takes no KL over the reference's top tokens")
+        return _fused(h, weight, bias, targets, want, zeros, temperature, with_entropy, chunk, loss)
     logps, ents, kls = [], [], []
     for s in range(0, h.shape[0], chunk):
         ref = None if topk is None else _rows(topk, s, s + chunk)
@@ -159,7 +167,6 @@ def head_logprobs_and_entropy(
         ents.append(en)
         if kl is not None:
             kls.append(kl)
-    zeros = torch.zeros(want.shape, dtype=torch.float32, device=hidden.device)
     if topk is not None:
         topk.kl = zeros.masked_scatter(want, torch.cat(kls)) if kls else zeros.clone()
     if not logps:
@@ -170,6 +177,29 @@ def head_logprobs_and_entropy(
             zeros = zeros + 0.0 * anchor.float()
         return zeros, zeros.clone()
     return zeros.masked_scatter(want, torch.cat(logps)), zeros.masked_scatter(want, torch.cat(ents))
+
+
+def _fused(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    want: torch.Tensor,
+    zeros: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk: int,
+    loss: HeadLoss,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows_loss(logp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+        return loss.fn(
+            loss.layout(zeros.masked_scatter(want, logp)), loss.layout(zeros.masked_scatter(want, ent))
+        )
+
+    logp, ent, loss.carrier = fused_head(
+        h, weight, bias, targets, temperature, with_entropy, chunk, rows_loss
+    )
+    return zeros.masked_scatter(want, logp), zeros.masked_scatter(want, ent)
 
 
 def _fill_top(
@@ -202,6 +232,7 @@ def _lm_logprobs_and_entropy(
     with_entropy: bool,
     packed: PackedRow | None = None,
     topk: TopK | None = None,
+    loss: HeadLoss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     with phase("decoder"):
         out = lm.base_model(
@@ -230,6 +261,7 @@ def _lm_logprobs_and_entropy(
             temperature=temperature,
             with_entropy=with_entropy,
             topk=topk,
+            loss=loss,
         )
 
 
@@ -288,12 +320,15 @@ class Actor(nn.Module):
         packed: PackedRow | None = None,
         shard: seqpar.Shard | None = None,
         topk: TopK | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss: HeadLoss | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """(logp, entropy), and when ``loss`` got a ``carrier``, that third: an output of the root's forward, so
+        that FSDP hooks its backward like the others'."""
         if (
             shard is not None
         ):  # the inputs are the shard's, the others unread (batch_logprobs refuses a topk here)
             return _lm_shard_logprobs_and_entropy(self.lm, shard, chunk, temperature, with_entropy)
-        return _lm_logprobs_and_entropy(
+        out = _lm_logprobs_and_entropy(
             self.lm,
             input_ids,
             attention_mask,
@@ -304,7 +339,9 @@ class Actor(nn.Module):
             with_entropy,
             packed,
             topk,
+            loss,
         )
+        return out if loss is None or loss.carrier is None else (*out, loss.carrier)
 
 
 def token_logprobs_and_entropy(
@@ -319,6 +356,7 @@ def token_logprobs_and_entropy(
     with_entropy: bool = True,
     packed: PackedRow | None = None,
     topk: TopK | None = None,
+    loss: HeadLoss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs and entropies of ``input_ids`` under ``model`` (an ``Actor`` or a plain HF causal LM).
 
@@ -329,7 +367,7 @@ def token_logprobs_and_entropy(
     is 0, and wherever the token is not wanted.  The LM head runs over ``chunk`` tokens at a time (see
     ``head_logprobs_and_entropy``).  A packed row is [1, N] with ``position_ids`` restarting per sequence and
     ``packed`` its sequence boundaries (see ``batch_logprobs``).  ``topk``: see ``TopK`` (its ``kl`` comes back in
-    this call's layout).
+    this call's layout).  ``loss``: see ``HeadLoss``.
     """
     if isinstance(model, Actor):
         out = model(
@@ -342,10 +380,13 @@ def token_logprobs_and_entropy(
             with_entropy=with_entropy,
             packed=packed,
             topk=topk,
+            loss=loss,
         )
         if not torch.is_grad_enabled():
             reshard(model)  # no backward will free the root's gathered weights
-        return out
+        if loss is not None and len(out) > 2:
+            loss.carrier = out[2]  # the tensor FSDP hooked, should it differ from the one the head set
+        return out[0], out[1]
     return _lm_logprobs_and_entropy(
         model,
         input_ids,
@@ -357,6 +398,7 @@ def token_logprobs_and_entropy(
         with_entropy,
         packed,
         topk,
+        loss,
     )
 
 
@@ -369,18 +411,20 @@ def batch_logprobs(
     with_entropy: bool = True,
     sp: seqpar.SPGroup | None = None,
     topk: TopK | None = None,
+    loss: HeadLoss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs_and_entropy`` of a collated micro-batch (``trainer.batching.collate``), packed or padded.
 
     Returns ``(logp, entropy)`` [B, T] in the padded layout either way, 0 on padding and unwanted tokens.  ``sp``:
     the sequence-parallel group of a packed micro-batch, whose ranks each run a chunk of the row and all return the
     whole row's outputs.  ``topk``: see ``TopK``; its ``kl`` comes back [B, T] in the padded layout too.
+    ``loss``: see ``HeadLoss``; its ``fn`` takes the padded layout.
     """
     opts: dict[str, Any] = {"chunk": chunk, "temperature": temperature, "with_entropy": with_entropy}
     if sp is not None and "packed_ids" in batch:
-        if topk is not None:
+        if topk is not None or loss is not None:
             raise ValueError(
-                "a KL over the reference's top tokens is not computed on sequence-parallel shards"
+                "neither a KL over the reference's top tokens nor the fused head runs on sequence-parallel shards"
             )
         return _sharded_batch_logprobs(model, batch, sp, opts)
     if "packed_ids" not in batch:
@@ -391,8 +435,11 @@ def batch_logprobs(
             None,
             batch["response_mask"],
             topk=topk,
+            loss=loss,
             **opts,
         )
+    if loss is not None:
+        loss.layout = lambda t: unpack(t, batch)
     logp, ent = token_logprobs_and_entropy(
         model,
         batch["packed_ids"],
@@ -401,6 +448,7 @@ def batch_logprobs(
         pack(batch["response_mask"], batch),
         packed=packed_row(batch),
         topk=topk,
+        loss=loss,
         **opts,
     )
     if topk is not None and topk.kl is not None:

@@ -62,6 +62,7 @@ from trainer import ppo
 from trainer import sequence_parallel as seqpar
 from trainer.batching import assign_to_ranks, batch_to, collate, microbatches, split_updates
 from trainer.data import Sample
+from trainer.fused_head import HeadLoss
 from trainer.logprobs import TopK, batch_logprobs
 from trainer.model import batch_values
 from trainer.optim import clip_grad_norm_
@@ -276,7 +277,12 @@ def minibatches(cfg: ShardRLConfig, samples: list[Sample], pad_id: int) -> list[
 
 
 def _logp(
-    model: torch.nn.Module, b: Batch, cfg: ShardRLConfig, with_entropy: bool, topk: TopK | None = None
+    model: torch.nn.Module,
+    b: Batch,
+    cfg: ShardRLConfig,
+    with_entropy: bool,
+    topk: TopK | None = None,
+    loss: HeadLoss | None = None,
 ) -> tuple[torch.Tensor, ...]:
     return batch_logprobs(
         model,
@@ -286,6 +292,7 @@ def _logp(
         with_entropy=with_entropy,
         sp=_sp(cfg),
         topk=topk,
+        loss=loss,
     )
 
 
@@ -461,14 +468,54 @@ def _value_terms(
     return a.value_coef * loss, m
 
 
+def fused_head_applies(cfg: ShardRLConfig) -> bool:
+    """Whether ``trainer.fused_head`` is on and the actor's loss is a sum of per-token terms, as the fused head
+    needs (``trainer/fused_head.py``): GSPO's ratio and a sequence-level weight of the current policy couple a
+    sequence's tokens, and a KL over the reference's top tokens is taken inside the recomputing head."""
+    a, t = cfg.algorithm, cfg.trainer
+    couples = a.policy_loss == "gspo" or (a.off_policy == "tis" and a.off_policy_level == "sequence")
+    topk = a.kl_estimator == "topk" and a.kl_coef > 0 and a.kl_mode == "loss"
+    return t.fused_head and not couples and not topk and t.sequence_parallel == 1
+
+
 def _microbatch_loss(
     cfg: ShardRLConfig, models: Models, b: Batch, counts: Counts
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    a = cfg.algorithm
     # The entropy is computed only when it is in the loss: inside the checkpointed LM-head chunks it would otherwise
     # be recomputed in backward just for a metric (measured: ~4% of a 1.5B step on H200).
+    with_entropy = cfg.algorithm.entropy_coef > 0
     top = _topk_of(cfg, b)
-    logp, ent = _logp(models.actor, b, cfg, with_entropy=a.entropy_coef > 0, topk=top)
+    head = None
+    if top is None and fused_head_applies(cfg):
+        head = HeadLoss(lambda lp, en: _actor_terms(cfg, models, b, lp, en, counts, None)[0])
+    logp, ent = _logp(models.actor, b, cfg, with_entropy=with_entropy, topk=top, loss=head)
+    if head is not None and head.carrier is not None:
+        # the head took the loss's gradient in forward: the loss's value from the detached logprobs, its gradient
+        # through the carrier (value 0)
+        with torch.no_grad():
+            loss, m = _actor_terms(cfg, models, b, logp, ent, counts, None)
+        loss = loss + head.carrier
+    else:
+        loss, m = _actor_terms(cfg, models, b, logp, ent, counts, top)
+    if models.critic is not None:
+        v_loss, vm = _value_terms(cfg, models, b, counts)
+        loss = loss + v_loss
+        m.update(vm)
+    return loss, m
+
+
+def _actor_terms(
+    cfg: ShardRLConfig,
+    models: Models,
+    b: Batch,
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    counts: Counts,
+    top: TopK | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor's loss from its logprobs and entropies [B, T]: the policy terms, the entropy bonus and the KL to
+    the reference; and its metrics."""
+    a = cfg.algorithm
     mask = b["response_mask"]
     loss, m = _policy_terms(cfg, logp, b, b.get("prox_logp", logp.detach()), counts)
     if a.entropy_coef > 0:
@@ -485,10 +532,6 @@ def _microbatch_loss(
         loss = loss + kl_loss
         m.update(km)
     m["mismatch_kl"] = ppo.mismatch_kl(logp.detach(), b["behaviour_logp"], mask)
-    if models.critic is not None:
-        v_loss, vm = _value_terms(cfg, models, b, counts)
-        loss = loss + v_loss
-        m.update(vm)
     return loss, m
 
 

@@ -47,8 +47,9 @@ def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path, 
     [
         {},
         # PPO with the whole-step whitening over ranks, the KL penalty in the reward and two updates per step;
-        # checkpointed layers whose all-gathers run two layers ahead (their recompute in backward included), and one
-        # layer left out of checkpointing
+        # checkpointed layers whose all-gathers run two layers ahead (their recompute in backward included), one
+        # layer left out of checkpointing, and the LM head taking its gradient in forward (FSDP2 must reduce the
+        # gradient it hands back in backward like any other)
         {
             "algorithm__name": "ppo",
             "algorithm__off_policy": "decoupled",
@@ -61,6 +62,7 @@ def test_two_ranks_train_on_synth_shards(tmp_path: Path, tiny_model_tied: Path, 
             "trainer__activation_checkpointing": "true",
             "trainer__fsdp_prefetch": "2",
             "trainer__activation_checkpointing_skip": "1",
+            "trainer__fused_head": "true",
         },
         # parameters, gradients and optimizer state in host memory (FSDP2 CPU offload), two updates: the second
         # sees the weights the offloaded optimizer moved
@@ -100,3 +102,37 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+@pytest.mark.slow
+def test_the_fused_head_on_two_ranks_gives_the_recomputing_heads_gradient(
+    tmp_path: Path, tiny_model_tied: Path
+) -> None:
+    """``trainer.fused_head`` under FSDP2: the head's weight (tied to the embedding here) gets the gradient the head
+    computed in forward, reduced over ranks like the others, and equal to that of the head recomputing its logits."""
+    grads = {}
+    for fused in ("false", "true"):
+        layout = make_run(
+            tmp_path / fused,
+            tiny_model_tied,
+            trainer__max_tokens_per_microbatch=64,
+            trainer__logprob_chunk=7,
+            trainer__activation_checkpointing="true",
+            trainer__fused_head=fused,
+            algorithm__kl_coef="0.1",
+            algorithm__kl_mode="loss",
+        )
+        synth(layout, shards=1, samples=32)
+        out = tmp_path / f"grad-{fused}.safetensors"
+        run_ok(command(2, GRAD_SCRIPT, layout.root, out), tmp_path / f"{fused}.log")
+        grads[fused] = _load(out)
+    plain, fused_grads = grads["false"], grads["true"]
+    assert plain.keys() == fused_grads.keys()
+    assert any("embed_tokens" in k for k in plain if k.startswith("actor/"))
+    for k in plain:
+        scale = plain[k].abs().max().item()
+        assert k.startswith("param/") or scale > 0, f"{k}: zero gradient"
+        # the same fp32 products summed in another order
+        torch.testing.assert_close(
+            fused_grads[k], plain[k], rtol=1e-4, atol=1e-5 * scale, msg=lambda m, k=k: f"{k}: {m}"
+        )

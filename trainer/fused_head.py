@@ -1,0 +1,170 @@
+"""The LM head with its backward done in its forward, for a loss that is a sum of per-token terms.
+
+The chunked head of ``trainer/logprobs.py`` keeps each chunk's [n, H] input and recomputes the chunk's logits in
+backward: a third matrix product over the vocabulary beside the forward's one and the backward's two.  When the loss
+is a sum of per-token terms, each a function of that token's logprob and entropy alone (PPO's token-level clip, the
+entropy bonus, the k1/k2/k3 KL estimates, any ``loss_agg``: their normalisers are constants of the step), the loss's
+gradient with respect to a chunk's logprobs and entropies is known as soon as the chunk's logits are.  The head then
+takes the gradient with respect to the logits right there, turns it into the gradients of its input and of its
+weight, and drops the logits; backward only scales what forward stored by the loss's incoming gradient.
+
+At most one chunk's [n, V] fp32 logits are alive, as in the chunked head.  What lives from forward to backward is the
+gradient of the head's input [N, H] (where the chunked head keeps the input itself) and of its weight [V, H].
+
+``trainer/step.py`` decides when the loss qualifies (``trainer.fused_head``); GSPO's sequence ratio, an importance
+weight of the current policy over a whole sequence, a KL over the reference's top tokens and sequence-parallel shards
+couple tokens or rows, and keep the chunked head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# (logprobs [N], entropies [N]) of every scored row, in the head's row order -> the scalar loss
+RowsLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class HeadLoss:
+    """What a forward pass with grad needs to run the fused head, and what it gives back.
+
+    ``fn(logp, entropy)`` is the loss, from [B, T] tensors in the caller's layout, and must be a sum of per-token
+    terms (see the module's docstring).  ``layout`` maps the head's output layout to the caller's (a packed row back
+    to its padded batch); ``batch_logprobs`` sets it.  The pass sets ``carrier``: a zero scalar whose gradient is the
+    loss's, to be added to the loss computed without grad from the returned logprobs; None when the pass did not fuse
+    (nothing scored), and the logprobs then carry their gradient as usual.
+
+    A plain class, not a dataclass, for the reason ``TopK`` gives: the pass writes into this very object.
+    """
+
+    __slots__ = ("carrier", "fn", "layout")
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.fn = fn
+        self.layout: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.carrier: torch.Tensor | None = None
+
+
+def fused_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk: int,
+    rows_loss: RowsLoss,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hidden`` [N, H] (the states that score ``targets`` [N]) -> (logp [N], entropy [N], carrier []), fp32.
+
+    ``logp`` and ``entropy`` are detached values; the gradient of ``rows_loss(logp, entropy)`` with respect to
+    ``hidden``, ``weight`` and ``bias`` flows through ``carrier`` (value 0) instead.  Entropies are zeros without
+    ``with_entropy``.
+    """
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _HeadGrad.apply(
+        hidden, weight, bias, targets, temperature, with_entropy, chunk, rows_loss
+    )
+    return out
+
+
+class _HeadGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        chunk: int,
+        rows_loss: RowsLoss,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
+        logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.zeros_like(logp)
+        dh = torch.zeros_like(hidden) if need_h else None
+        dw = torch.zeros_like(weight) if need_w else None
+        db = torch.zeros_like(bias) if need_b and bias is not None else None
+        for s in range(0, n, chunk):
+            rows = slice(s, min(s + chunk, n))
+            h = hidden[rows]
+            logsm = F.linear(h, weight, bias).float()
+            if temperature != 1.0:
+                logsm.div_(temperature)
+            logsm.sub_(torch.logsumexp(logsm, dim=-1, keepdim=True))  # log-softmax, in place
+            t = targets[rows].unsqueeze(-1)
+            logp[rows] = logsm.gather(-1, t).squeeze(-1)
+            p = logsm.exp()
+            if with_entropy:
+                ent[rows] = -(p * logsm).sum(-1)
+            g_lp, g_ent = _token_grads(rows_loss, logp, ent, rows)
+            d = _logit_grad(logsm, p, t, g_lp, g_ent if with_entropy else None, ent[rows])
+            if temperature != 1.0:
+                d.div_(temperature)
+            d = d.to(
+                weight.dtype
+            )  # as autograd casts the grad of ``.float()``: bf16 products below, like forward's
+            if dh is not None:
+                dh[rows] = (d @ weight).to(dh.dtype)
+            if dw is not None:
+                dw.addmm_(d.t(), h.to(dw.dtype))
+            if db is not None:
+                db.add_(d.sum(0).to(db.dtype))
+        ctx.save_for_backward(dh, dw, db)
+        ctx.mark_non_differentiable(logp, ent)
+        return logp, ent, torch.zeros((), dtype=torch.float32, device=hidden.device)
+
+    @staticmethod
+    def backward(ctx: Any, _g_lp: torch.Tensor, _g_ent: torch.Tensor, g: torch.Tensor) -> tuple[Any, ...]:
+        # ``g`` is the loss's scale (1, or the world size under FSDP's averaging): the stored gradients are the loss's
+        return (
+            *(None if t is None else t * g.to(t.dtype) for t in ctx.saved_tensors),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _token_grads(
+    rows_loss: RowsLoss, logp: torch.Tensor, ent: torch.Tensor, rows: slice
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """d loss / d logp and d loss / d entropy at ``rows``.  The rows after them hold zeros so far: a loss of
+    per-token terms gives these rows the same gradient whatever the others hold."""
+    lp, en = logp[rows].detach().requires_grad_(), ent[rows].detach().requires_grad_()
+    with torch.enable_grad():
+        loss = rows_loss(
+            torch.cat([logp[: rows.start], lp, logp[rows.stop :]]),
+            torch.cat([ent[: rows.start], en, ent[rows.stop :]]),
+        )
+        g_lp, g_ent = torch.autograd.grad(loss, (lp, en), allow_unused=True)
+    return (
+        torch.zeros_like(lp) if g_lp is None else g_lp.detach(),
+        torch.zeros_like(en) if g_ent is None else g_ent.detach(),
+    )
+
+
+def _logit_grad(
+    logsm: torch.Tensor,
+    p: torch.Tensor,
+    targets: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    ent: torch.Tensor,
+) -> torch.Tensor:
+    """d loss / d logits [n, V] from the log-softmax and softmax [n, V] of the logits (``p`` is reused) and the
+    loss's gradients with respect to each row's logprob of its target [n, 1] and its entropy [n].
+
+    d logp_y / d z = onehot(y) - p;  d H / d z = -p * (log p + H)."""
+    if g_ent is None:
+        d = p.mul_(-g_lp.unsqueeze(-1))
+    else:
+        d = (logsm + ent.unsqueeze(-1)).mul_(p).mul_(-g_ent.unsqueeze(-1))
+        d.sub_(p.mul_(g_lp.unsqueeze(-1)))
+    return d.scatter_add_(-1, targets, g_lp.unsqueeze(-1))
