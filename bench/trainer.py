@@ -451,10 +451,11 @@ def report(name: str, step_s: float, samples: list[Any], preset: str, world: int
 
 
 PHASE_ORDER = (
-    *("prepare/decoder", "prepare/head", "prepare"),
-    *("forward/decoder", "forward/head", "forward", "backward", "optimizer"),
+    *("batches", "prepare/decoder", "prepare/head", "prepare"),
+    *("forward/decoder", "forward/head", "forward", "backward", "optimizer", "metrics"),
 )
 PHASE_NAMES = {
+    "batches": "advantages, micro-batches to device",
     "prepare/decoder": "reference/proximal pass: decoder",
     "prepare/head": "reference/proximal pass: head",
     "prepare": "prepare: the rest",
@@ -463,6 +464,7 @@ PHASE_NAMES = {
     "forward": "forward: the rest (losses)",
     "backward": "backward (with recompute)",
     "optimizer": "clip + optimizer",
+    "metrics": "metrics: reduced, read back",
 }
 
 

@@ -1,7 +1,8 @@
 """Where a training step's time goes: wall time per named phase, for ``bench/trainer.py --profile``.
 
-The step marks its phases with ``phase(name)`` (prepare, forward, decoder, head, backward, optimizer).  Nothing is
-timed unless a ``PhaseTimer`` is active: ``phase`` is then a no-op of a few microseconds, a handful a micro-batch.
+The step marks its phases with ``phase(name)`` (batches, prepare, forward, decoder, head, backward, optimizer,
+metrics).  Nothing is timed unless a ``PhaseTimer`` is active: ``phase`` is then a no-op of a few microseconds, a
+handful a micro-batch.
 While one is active, each phase boundary waits for the device (``sync``), so a phase's time is its kernels' time,
 not the time to queue them; that also removes the overlap between phases, which is why the bench reports the
 step's unprofiled time beside the table.

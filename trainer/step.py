@@ -570,8 +570,9 @@ def train_step(
     ``grad_hook(models)``, when given, runs after the backward of each update, before clipping (a debugging aid).
     """
     _check_sequence_parallel(cfg, models)
-    group_sample_advantages(cfg, samples)
-    minis = minibatches(cfg, samples, pad_id)
+    with phase("batches"):  # host work while the device idles: the profile shows what it costs
+        group_sample_advantages(cfg, samples)
+        minis = minibatches(cfg, samples, pad_id)
     metrics = _Metrics(cfg.trainer.sequence_parallel)
     with phase("prepare"):
         prepare(cfg, models, minis, metrics)
@@ -593,7 +594,8 @@ def train_step(
     for sched in (models.scheduler, models.critic_scheduler):
         if sched is not None:
             sched.step()
-    out = metrics.reduced()
+    with phase("metrics"):
+        out = metrics.reduced()
     out.update({k: sum(v) / len(v) for k, v in norms.items() if k != "skipped_updates"})
     out["skipped_updates"] = sum(norms["skipped_updates"])
     out["lr"] = float(models.optimizer.param_groups[0]["lr"])
