@@ -489,8 +489,9 @@ class TrainerConfig(_Section):
     fused_head: bool = Field(
         False,
         description="The actor's LM head computes its gradient in forward, chunk by chunk, from the loss, instead "
-        "of running each chunk's logits again in backward: one matrix product over the vocabulary less per token. "
-        "For losses that are sums of per-token terms; GSPO, off_policy = 'tis' at sequence level, "
+        "of running each chunk's logits again in backward: one matrix product over the vocabulary less per token, "
+        "for one more buffer the size of the head's weight (its gradient) held from forward to backward. For "
+        "losses that are sums of per-token terms; GSPO, off_policy = 'tis' at sequence level, "
         "kl_estimator = 'topk' and sequence_parallel > 1 keep the recomputing head.",
     )
     critic_path: str | None = Field(None, description="PPO critic base; default a copy of the actor base.")
