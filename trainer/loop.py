@@ -44,7 +44,7 @@ from trainer.lora import AdaptersOff
 from trainer.metrics import step_line
 from trainer.model import build_actor, build_critic, build_reference
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.step import Models, kl_controller, train_step
+from trainer.step import Models, fused_head_applies, kl_controller, train_step
 from trainer.versions import Versions, check_fence, latest_problem, starting_version
 
 log = logger("trainer")
@@ -129,6 +129,10 @@ def build_models(run: Run) -> Models:
         "schedule": t.schedule,
         "total_steps": t.total_steps,
     }
+    if t.fused_head and not fused_head_applies(cfg) and tdist.is_main():
+        log.info(
+            "trainer.fused_head: this loss couples tokens (or runs sequence-parallel): the head recomputes"
+        )
     actor = build_actor(run.model_dir, device, **sharding, lora=cfg.model.lora)
     opt = build_optimizer(actor, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     models = Models(actor, opt, build_scheduler(opt, **schedule), kl=kl_controller(cfg))
