@@ -16,7 +16,8 @@
 #                qwen2.5-7b-8l), AC_SKIP8L ("0 1") of them left out of checkpointing, SAMPLES7 as above
 #   profile7b8l  profile7b on skip7b8l's 8 layers, with bare + AdamW too (it fits there); PROFILE_KERNELS and SAMPLES7
 #                as in profile7b
-#   fusedhead    the trainer step with trainer.fused_head beside the one without and the bare step, compiled layers,
+#   fusedhead    the LM head alone over 16,384 tokens, whole logits / recomputing / fused (bench/head.py), then the
+#                trainer step with trainer.fused_head beside the one without and the bare step, compiled layers,
 #                FUSED_PRESETS ("qwen2.5-1.5b qwen2.5-7b-8l"), SAMPLES7 samples a step at the 7B width
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
@@ -106,6 +107,7 @@ for s in $SECTIONS; do
         profile7b8l) profile7 qwen2.5-7b-8l bare,bare-adam,trainer ;;
         fusedhead)
             for p in ${FUSED_PRESETS:-qwen2.5-1.5b qwen2.5-7b-8l}; do
+                python bench/head.py --preset "${p%-8l}" --tokens 16384
                 n=8; [ "$p" = qwen2.5-1.5b ] || n=${SAMPLES7:-8}
                 $RUN bench/trainer.py --preset "$p" --paths bare,trainer,trainer-fused --kernels compile \
                     --samples-per-rank "$n" --warmup 1 --steps 3
