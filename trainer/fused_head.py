@@ -106,9 +106,8 @@ class _HeadGrad(torch.autograd.Function):
             d = _logit_grad(logsm, p, t, g_lp, g_ent if with_entropy else None, ent[rows])
             if temperature != 1.0:
                 d.div_(temperature)
-            d = d.to(
-                weight.dtype
-            )  # as autograd casts the grad of ``.float()``: bf16 products below, like forward's
+            # as autograd casts the gradient of ``.float()``: the products below in the weight's dtype, like forward's
+            d = d.to(weight.dtype)
             if dh is not None:
                 dh[rows] = (d @ weight).to(dh.dtype)
             if dw is not None:
