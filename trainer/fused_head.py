@@ -104,6 +104,7 @@ class _HeadGrad(torch.autograd.Function):
                 ent[rows] = -(p * logsm).sum(-1)
             g_lp, g_ent = _token_grads(rows_loss, logp, ent, rows)
             d = _logit_grad(logsm, p, t, g_lp, g_ent if with_entropy else None, ent[rows])
+            del logsm, p  # written over by now
             if temperature != 1.0:
                 d.div_(temperature)
             # as autograd casts the gradient of ``.float()``: the products below in the weight's dtype, like forward's
@@ -157,13 +158,14 @@ def _logit_grad(
     g_ent: torch.Tensor | None,
     ent: torch.Tensor,
 ) -> torch.Tensor:
-    """d loss / d logits [n, V] from the log-softmax and softmax [n, V] of the logits (``p`` is reused) and the
-    loss's gradients with respect to each row's logprob of its target [n, 1] and its entropy [n].
+    """d loss / d logits [n, V] from the log-softmax and softmax [n, V] of the logits and the loss's gradients with
+    respect to each row's logprob of its target [n, 1] and its entropy [n].  Both [n, V] inputs are consumed (written
+    over), so that a chunk holds two such tensors at a time.
 
     d logp_y / d z = onehot(y) - p;  d H / d z = -p * (log p + H)."""
     if g_ent is None:
         d = p.mul_(-g_lp.unsqueeze(-1))
     else:
-        d = (logsm + ent.unsqueeze(-1)).mul_(p).mul_(-g_ent.unsqueeze(-1))
+        d = logsm.add_(ent.unsqueeze(-1)).mul_(p).mul_(-g_ent.unsqueeze(-1))
         d.sub_(p.mul_(g_lp.unsqueeze(-1)))
     return d.scatter_add_(-1, targets, g_lp.unsqueeze(-1))
