@@ -126,12 +126,21 @@ def _cfg(fused: bool, packing: bool, algorithm: dict[str, Any]) -> ShardRLConfig
 PPO = {"name": "ppo", "entropy_coef": 0.01, "kl_coef": 0.05, "loss_agg": "seq-mean-token-mean"}
 GRPO = {"name": "grpo", "entropy_coef": 0.02, "kl_coef": 0.1, "kl_estimator": "k3", "off_policy": "none"}
 TIS = {"name": "grpo", "off_policy": "tis", "temperature": 0.8, "loss_agg": "seq-mean-token-sum-norm"}
+SUM = {"name": "grpo", "entropy_coef": 0.01, "loss_agg": "token-sum"}
+RLOO = {"name": "rloo", "loss_agg": "seq-mean-token-sum", "kl_coef": 0.05, "kl_estimator": "k2"}
 
 
 @pytest.mark.parametrize(
     ("tie", "packing", "algorithm"),
-    [("untied", False, PPO), ("tied", True, PPO), ("untied", True, GRPO), ("tied", False, TIS)],
-    ids=["ppo-padded", "ppo-packed-tied", "grpo-k3-packed", "tis-tied"],
+    [
+        ("untied", False, PPO),
+        ("tied", True, PPO),
+        ("untied", True, GRPO),
+        ("tied", False, TIS),
+        ("untied", True, SUM),
+        ("tied", True, RLOO),
+    ],
+    ids=["ppo-padded", "ppo-packed-tied", "grpo-k3-packed", "tis-tied", "token-sum", "rloo-k2"],
 )
 def test_a_step_with_the_fused_head_equals_one_with_the_recomputing_head(
     tie: str,
