@@ -109,7 +109,7 @@ for s in $SECTIONS; do
             for p in ${FUSED_PRESETS:-qwen2.5-1.5b qwen2.5-7b-8l}; do
                 python bench/head.py --preset "${p%-8l}" --tokens 16384
                 n=8; [ "$p" = qwen2.5-1.5b ] || n=${SAMPLES7:-8}
-                $RUN bench/trainer.py --preset "$p" --paths bare,trainer,trainer-fused --kernels compile \
+                $RUN bench/trainer.py --preset "$p" --paths bare,trainer-recompute,trainer --kernels compile \
                     --samples-per-rank "$n" --warmup 1 --steps 3
             done ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;

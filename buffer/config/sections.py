@@ -487,12 +487,12 @@ class TrainerConfig(_Section):
     )
     logprob_chunk: int = Field(1024, ge=1, description="Tokens per chunk when computing logprobs/entropy.")
     fused_head: bool = Field(
-        False,
+        True,
         description="The actor's LM head computes its gradient in forward, chunk by chunk, from the loss, instead "
         "of running each chunk's logits again in backward: one matrix product over the vocabulary less per token, "
         "for one more buffer the size of the head's weight (its gradient) held from forward to backward. For "
         "losses that are sums of per-token terms; GSPO, off_policy = 'tis' at sequence level, "
-        "kl_estimator = 'topk' and sequence_parallel > 1 keep the recomputing head.",
+        "kl_estimator = 'topk' and sequence_parallel > 1 keep the recomputing head. false: always recompute.",
     )
     critic_path: str | None = Field(None, description="PPO critic base; default a copy of the actor base.")
     critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
