@@ -168,7 +168,7 @@ for s in $SECTIONS; do
                         --max-response-length "${E2E_RESPONSE:-1024}" --dtype bfloat16 --vllm-options "$O" $d 2>&1 | tail -1
                 done
             done ;;
-        tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py tests/unit/test_packing.py tests/unit/test_activation_offload.py 2>&1 | tail -15 ;;
+        tests) python -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_gpu.py tests/unit/test_packing.py tests/unit/test_activation_offload.py tests/unit/test_lazy_batches.py 2>&1 | tail -15 ;;
         vllm) python -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/test_gpu_vllm.py 2>&1 | tail -40 ;;
         *) echo "unknown section $s" ;;
     esac 2>&1 | awk '!/[Ww][Aa][Rr][Nn]/ || /passed|failed|error/' | tee -a "$OUT/$s.txt"  # pytest's summary says "warnings"

@@ -456,7 +456,7 @@ PHASE_ORDER = (
     *("forward/decoder", "forward/head", "forward", "backward", "optimizer", "metrics"),
 )
 PHASE_NAMES = {
-    "batches": "advantages, micro-batches to device",
+    "batches": "advantages, micro-batch plan",
     "prepare/decoder": "reference/proximal pass: decoder",
     "prepare/head": "reference/proximal pass: head",
     "prepare": "prepare: the rest",

@@ -123,5 +123,17 @@ def collate(batch: list[Sample], pad_id: int, *, packed: bool = False) -> dict[s
 
 
 def batch_to(batch: dict[str, Any], device: Any) -> dict[str, Any]:
-    """A collated micro-batch on ``device``, but for the host-side entries (``HOST_KEYS``)."""
-    return {k: v if k in HOST_KEYS else v.to(device) for k, v in batch.items()}
+    """A collated micro-batch on ``device``, but for the host-side entries (``HOST_KEYS``).
+
+    To a GPU the copies go from pinned host memory without waiting: each is queued behind the work already launched
+    on the stream, so the host can build the next micro-batch while the device runs this one (a copy from pageable
+    memory waits for the stream).  Torch's pinned-memory cache keeps each block until its copy has run.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {k: v if k in HOST_KEYS else v.to(device) for k, v in batch.items()}
+    return {
+        k: v if k in HOST_KEYS else v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()
+    }

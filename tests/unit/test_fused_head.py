@@ -5,7 +5,7 @@ What must hold, on CPU in fp32: the head's logprobs, entropies and gradients are
 it on gives the metrics and gradients of the recomputing head, padded and packed, with a critic, an entropy bonus, a
 KL loss and each loss aggregation; it runs one logits product per chunk, where the recomputing head runs two; and the
 losses that couple a sequence's tokens keep the recomputing head.  What it buys on a GPU is measured by
-``bench/trainer.py --fused-head``.
+``bash bench/run_gpu.sh OUT fusedhead``.
 """
 
 from __future__ import annotations
