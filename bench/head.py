@@ -7,7 +7,9 @@ matrix products none of them can avoid, timed in the same run.
 - whole:      autograd through the whole fp32 logits, as a plain HF loss takes them: three products, [N x V] fp32 held;
 - recompute:  the trainer's chunked head (``trainer.logprobs.head_logprobs_and_entropy``, each chunk checkpointed):
               four products (each chunk's logits again in backward), one chunk's logits alive;
-- fused:      the same head with ``trainer.fused_head``: three products, one chunk's logits alive.
+- fused:      the same head with ``trainer.fused_head``: three products, one chunk's logits alive;
+- compiled:   fused with ``trainer.compile_head``: each chunk's softmax, entropy and logits' gradient as two compiled
+              kernels (compiled in the warm-up run, outside the timing).
 
 The floor is three products of the logits' size (the logits, then the gradients of the input and of the weight), timed
 alone here. Each way prints its mean time over ``--repeat`` runs after one warm-up, the spread, and its ratio to the
@@ -109,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         loss_of(logp, ent).backward()
         return h.grad, head.weight.grad  # type: ignore[return-value]
 
-    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+    def fused(compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         h, head = leaves()
-        fn = HeadLoss(loss_of)
+        fn = HeadLoss(loss_of, compiled)
         head_logprobs_and_entropy(h, head, ids, want, chunk=args.chunk, loss=fn)
         assert fn.carrier is not None
         fn.carrier.backward()
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     base = timed(floor, device, args.repeat)
     mean = sum(base) / len(base)
     print(f"{'floor: 3 products':24s}{mean:9.4f} s  ({min(base):.4f}-{max(base):.4f})", flush=True)
-    ways = {"whole": whole, "recompute": recompute, "fused": fused}
+    ways = {"whole": whole, "recompute": recompute, "fused": fused, "compiled": lambda: fused(True)}
     if args.no_whole:
         del ways["whole"]
     means = {}
@@ -153,9 +155,12 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     print(f"fused / recompute time {means['fused'] / means['recompute']:.3f}", flush=True)
-    for label, a, b in zip(("input", "weight"), fused(), recompute(), strict=True):
-        err = float((a.float() - b.float()).norm() / b.float().norm())
-        print(f"fused vs recompute, gradient of the {label}: relative difference {err:.2e}", flush=True)
+    print(f"compiled / fused time {means['compiled'] / means['fused']:.3f}", flush=True)
+    pairs = (("fused", "recompute", fused(), recompute()), ("compiled", "fused", fused(True), fused()))
+    for name, ref, grads, ref_grads in pairs:
+        for label, a, b in zip(("input", "weight"), grads, ref_grads, strict=True):
+            err = float((a.float() - b.float()).norm() / b.float().norm())
+            print(f"{name} vs {ref}, gradient of the {label}: relative difference {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":

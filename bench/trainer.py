@@ -122,8 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--paths",
         default=None,
         help="comma-separated subset of the uniform paths to time: bare, bare-adam, trainer, trainer-recompute (the "
-        "trainer with trainer.fused_head off: the LM head runs its chunks' logits again in backward; default: all "
-        "but trainer-recompute)",
+        "trainer with trainer.fused_head off: the LM head runs its chunks' logits again in backward), "
+        "trainer-compiled-head (with trainer.compile_head); default: bare, bare-adam, trainer",
     )
     p.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
@@ -486,7 +486,9 @@ def print_phases(phases: dict[str, Phases]) -> None:
         print(f"{label:36s}{cells}", flush=True)
 
 
-def make_config(args: argparse.Namespace, packing: bool, fused_head: bool = True) -> Any:
+def make_config(
+    args: argparse.Namespace, packing: bool, fused_head: bool = True, compile_head: bool = False
+) -> Any:
     from buffer.config import ShardRLConfig
 
     trainer = {
@@ -500,6 +502,7 @@ def make_config(args: argparse.Namespace, packing: bool, fused_head: bool = True
         "fsdp_prefetch": args.fsdp_prefetch,
         "kernels": args.kernels,
         "fused_head": fused_head,
+        "compile_head": compile_head,
         # sequence parallelism splits packed rows; the padded comparison path stays data-parallel
         "sequence_parallel": args.sequence_parallel if packing else 1,
     }
@@ -526,6 +529,9 @@ def uniform_paths(args: argparse.Namespace, vocab: int, world: int) -> list[Time
     if "trainer-recompute" in wanted:
         recompute = make_config(args, packing=not args.padded, fused_head=False)
         paths.append(("trainer, recomputing head", samples, lambda: run_trainer(args, recompute, samples)))
+    if "trainer-compiled-head" in wanted:
+        compiled = make_config(args, packing=not args.padded, compile_head=True)
+        paths.append(("trainer, compiled head", samples, lambda: run_trainer(args, compiled, samples)))
     return paths
 
 
@@ -600,7 +606,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"longtail packed / uniform real tokens/s {ratio:.3f} (target >= 0.9)", flush=True)
             print(f"longtail packed / longtail padded real tokens/s {gain:.2f}x", flush=True)
         else:
-            for name in ("trainer step", "trainer, recomputing head"):
+            for name in ("trainer step", "trainer, recomputing head", "trainer, compiled head"):
                 if name in results and "bare fwd+bwd" in results:
                     ratio = results[name] / results["bare fwd+bwd"]
                     print(f"{name} / bare tokens/s ratio {ratio:.3f} (target >= 1.0)", flush=True)

@@ -40,10 +40,11 @@ class HeadLoss:
     A plain class, not a dataclass, for the reason ``TopK`` gives: the pass writes into this very object.
     """
 
-    __slots__ = ("carrier", "fn", "layout")
+    __slots__ = ("carrier", "compiled", "fn", "layout")
 
-    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], compiled: bool = False):
         self.fn = fn
+        self.compiled = compiled  # the per-chunk softmax work as compiled kernels (``trainer.compile_head``)
         self.layout: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
         self.carrier: torch.Tensor | None = None
 
@@ -57,15 +58,17 @@ def fused_head(
     with_entropy: bool,
     chunk: int,
     rows_loss: RowsLoss,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hidden`` [N, H] (the states that score ``targets`` [N]) -> (logp [N], entropy [N], carrier []), fp32.
 
     ``logp`` and ``entropy`` are detached values; the gradient of ``rows_loss(logp, entropy)`` with respect to
     ``hidden``, ``weight`` and ``bias`` flows through ``carrier`` (value 0) instead.  Entropies are zeros without
-    ``with_entropy``.
+    ``with_entropy``.  ``compiled``: each chunk's softmax, entropy and logits' gradient run as compiled kernels
+    that read the logits in their own dtype (``_compiled_chunk``) instead of eager fp32 passes over them.
     """
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _HeadGrad.apply(
-        hidden, weight, bias, targets, temperature, with_entropy, chunk, rows_loss
+        hidden, weight, bias, targets, temperature, with_entropy, chunk, rows_loss, compiled
     )
     return out
 
@@ -82,6 +85,7 @@ class _HeadGrad(torch.autograd.Function):
         with_entropy: bool,
         chunk: int,
         rows_loss: RowsLoss,
+        compiled: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
@@ -93,22 +97,13 @@ class _HeadGrad(torch.autograd.Function):
         for s in range(0, n, chunk):
             rows = slice(s, min(s + chunk, n))
             h = hidden[rows]
-            logsm = F.linear(h, weight, bias).float()
-            if temperature != 1.0:
-                logsm.div_(temperature)
-            logsm.sub_(torch.logsumexp(logsm, dim=-1, keepdim=True))  # log-softmax, in place
+            logits = F.linear(h, weight, bias)
             t = targets[rows].unsqueeze(-1)
-            logp[rows] = logsm.gather(-1, t).squeeze(-1)
-            p = logsm.exp()
-            if with_entropy:
-                ent[rows] = -(p * logsm).sum(-1)
-            g_lp, g_ent = _token_grads(rows_loss, logp, ent, rows)
-            d = _logit_grad(logsm, p, t, g_lp, g_ent if with_entropy else None, ent[rows])
-            del logsm, p  # written over by now
-            if temperature != 1.0:
-                d.div_(temperature)
-            # as autograd casts the gradient of ``.float()``: the products below in the weight's dtype, like forward's
-            d = d.to(weight.dtype)
+            if compiled:
+                d = _compiled_chunk(logits, t, logp, ent, rows, temperature, with_entropy, rows_loss)
+            else:
+                d = _eager_chunk(logits, t, logp, ent, rows, temperature, with_entropy, rows_loss)
+            del logits
             if dh is not None:
                 dh[rows] = (d @ weight).to(dh.dtype)
             if dw is not None:
@@ -129,7 +124,109 @@ class _HeadGrad(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _eager_chunk(
+    logits: torch.Tensor,
+    t: torch.Tensor,
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    rows: slice,
+    temperature: float,
+    with_entropy: bool,
+    rows_loss: RowsLoss,
+) -> torch.Tensor:
+    """One chunk in eager PyTorch: fills ``logp[rows]`` and ``ent[rows]``, returns d loss / d logits in the
+    logits' dtype.  Two [n, V] fp32 tensors at a time, each pass over them a kernel of its own."""
+    logsm = logits.float()
+    if temperature != 1.0:
+        logsm.div_(temperature)
+    logsm.sub_(torch.logsumexp(logsm, dim=-1, keepdim=True))  # log-softmax, in place
+    logp[rows] = logsm.gather(-1, t).squeeze(-1)
+    p = logsm.exp()
+    if with_entropy:
+        ent[rows] = -(p * logsm).sum(-1)
+    g_lp, g_ent = _token_grads(rows_loss, logp, ent, rows)
+    d = _logit_grad(logsm, p, t, g_lp, g_ent if with_entropy else None, ent[rows])
+    del logsm, p  # written over by now
+    if temperature != 1.0:
+        d.div_(temperature)
+    # as autograd casts the gradient of ``.float()``: the products after this in the weight's dtype, like forward's
+    return d.to(logits.dtype)
+
+
+def _compiled_chunk(
+    logits: torch.Tensor,
+    t: torch.Tensor,
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    rows: slice,
+    temperature: float,
+    with_entropy: bool,
+    rows_loss: RowsLoss,
+) -> torch.Tensor:
+    """``_eager_chunk`` as two compiled kernels around the loss's per-token gradients: one reduction over the
+    logits (log-sum-exp and entropy), then one element-wise pass that writes the logits' gradient in their dtype.
+    They read the [n, V] logits in their own dtype and write only the gradient: the compiler fuses the fp32 work
+    into them, where the eager chunk runs about a dozen kernels over [n, V] fp32 tensors."""
+    stats, grad = _kernels()
+    lse, h = stats(logits, temperature, with_entropy)
+    logp[rows] = logits.gather(-1, t).squeeze(-1).float() / temperature - lse
+    ent[rows] = h
+    g_lp, g_ent = _token_grads(rows_loss, logp, ent, rows)
+    return grad(logits, t, lse, h, g_lp, g_ent, temperature, with_entropy)
+
+
+def _chunk_stats(
+    logits: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, entropy) [n] fp32 of each row of ``logits / temperature``; entropies 0 without entropy."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    if not with_entropy:
+        return lse, torch.zeros_like(lse)
+    logsm = z - lse.unsqueeze(-1)
+    return lse, -(logsm.exp() * logsm).sum(-1)
+
+
+def _chunk_grad(
+    logits: torch.Tensor,
+    t: torch.Tensor,
+    lse: torch.Tensor,
+    h: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+) -> torch.Tensor:
+    """d loss / d logits, in the logits' dtype: ``_logit_grad``'s formula as one element-wise expression, the
+    target's one-hot included (so it is added in fp32, before the cast, as the eager chunk adds it)."""
+    logsm = logits.float() / temperature - lse.unsqueeze(-1)
+    p = logsm.exp()
+    gl = g_lp.unsqueeze(-1)
+    d = -p * gl
+    if with_entropy:
+        d = d - g_ent.unsqueeze(-1) * p * (logsm + h.unsqueeze(-1))
+    onehot = torch.arange(logits.shape[-1], device=logits.device) == t
+    d = torch.where(onehot, d + gl, d)
+    return (d / temperature).to(logits.dtype)
+
+
+_KERNELS: tuple[Any, Any] | None = None
+
+
+def _kernels() -> tuple[Any, Any]:
+    """The two chunk functions compiled once per process.  Dynamic in the chunk's rows, so a micro-batch's last,
+    shorter chunk reuses the kernels of the full ones."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = (
+            torch.compile(_chunk_stats, dynamic=True),
+            torch.compile(_chunk_grad, dynamic=True),
+        )
+    return _KERNELS
 
 
 def _token_grads(

@@ -197,7 +197,7 @@ def _fused(
         )
 
     logp, ent, loss.carrier = fused_head(
-        h, weight, bias, targets, temperature, with_entropy, chunk, rows_loss
+        h, weight, bias, targets, temperature, with_entropy, chunk, rows_loss, loss.compiled
     )
     return zeros.masked_scatter(want, logp), zeros.masked_scatter(want, ent)
 

@@ -129,10 +129,14 @@ def build_models(run: Run) -> Models:
         "schedule": t.schedule,
         "total_steps": t.total_steps,
     }
-    if t.fused_head and not fused_head_applies(cfg) and tdist.is_main():
-        log.info(
-            "trainer.fused_head: this loss couples tokens (or runs sequence-parallel): the head recomputes"
+    if (t.fused_head or t.compile_head) and not fused_head_applies(cfg) and tdist.is_main():
+        why = (
+            "is off"
+            if not t.fused_head
+            else "does not apply (this loss couples tokens, or runs sequence-parallel)"
         )
+        unused = "; trainer.compile_head has no effect" if t.compile_head else ""
+        log.info(f"trainer.fused_head {why}: the LM head recomputes its chunks in backward{unused}")
     actor = build_actor(run.model_dir, device, **sharding, lora=cfg.model.lora)
     opt = build_optimizer(actor, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     models = Models(actor, opt, build_scheduler(opt, **schedule), kl=kl_controller(cfg))

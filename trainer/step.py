@@ -528,7 +528,9 @@ def _microbatch_loss(
     top = _topk_of(cfg, b)
     head = None
     if top is None and fused_head_applies(cfg):
-        head = HeadLoss(lambda lp, en: _actor_terms(cfg, models, b, lp, en, counts, None)[0])
+        head = HeadLoss(
+            lambda lp, en: _actor_terms(cfg, models, b, lp, en, counts, None)[0], cfg.trainer.compile_head
+        )
     logp, ent = _logp(models.actor, b, cfg, with_entropy=with_entropy, topk=top, loss=head)
     if head is not None and head.carrier is not None:
         # the head took the loss's gradient in forward: the loss's value from the detached logprobs, its gradient

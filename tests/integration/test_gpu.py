@@ -55,10 +55,12 @@ def test_nccl_trainer_trains_and_publishes_bf16(tmp_path: Path, tiny_model_untie
     assert torch.isfinite(logits).all()
 
 
-def test_the_fused_head_on_cuda_matches_the_recomputing_head_in_bf16() -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-chunks", "compiled-chunks"])
+def test_the_fused_head_on_cuda_matches_the_recomputing_head_in_bf16(compiled: bool) -> None:
     """``trainer.fused_head`` at a real head's size (Qwen2.5-1.5B's hidden size and vocabulary, one micro-batch of
     16,384 tokens): the loss and both gradients of the recomputing head within bf16 rounding (1e-2 relative), and
-    chunks of logits alive, never the whole [tokens x vocab] in fp32 (10 GB here)."""
+    chunks of logits alive, never the whole [tokens x vocab] in fp32 (10 GB here); with ``trainer.compile_head``
+    too (Triton kernels)."""
     import torch
 
     from trainer.fused_head import HeadLoss
@@ -83,7 +85,7 @@ def test_the_fused_head_on_cuda_matches_the_recomputing_head_in_bf16() -> None:
         head.weight.data.copy_(weight)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        fn = HeadLoss(loss_of) if fused else None
+        fn = HeadLoss(loss_of, compiled) if fused else None
         logp, ent = head_logprobs_and_entropy(h, head, ids, want, chunk=1024, loss=fn)
         loss = loss_of(logp, ent)
         (fn.carrier if fn is not None and fn.carrier is not None else loss).backward()
