@@ -65,7 +65,7 @@ def fused_head(
     ``logp`` and ``entropy`` are detached values; the gradient of ``rows_loss(logp, entropy)`` with respect to
     ``hidden``, ``weight`` and ``bias`` flows through ``carrier`` (value 0) instead.  Entropies are zeros without
     ``with_entropy``.  ``compiled``: each chunk's softmax, entropy and logits' gradient run as compiled kernels
-    that read the logits in their own dtype (``_compiled_chunk``) instead of eager fp32 passes over them.
+    that read the logits in their own dtype (``_Scores.compiled``) instead of eager fp32 passes over them.
     """
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _HeadGrad.apply(
         hidden, weight, bias, targets, temperature, with_entropy, chunk, rows_loss, compiled
@@ -89,8 +89,8 @@ class _HeadGrad(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
-        logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.zeros_like(logp)
+        scores = _Scores(n, hidden.device, temperature, with_entropy, rows_loss)
+        chunk_grad = scores.compiled if compiled else scores.eager
         dh = torch.zeros_like(hidden) if need_h else None
         dw = torch.zeros_like(weight) if need_w else None
         db = torch.zeros_like(bias) if need_b and bias is not None else None
@@ -99,10 +99,7 @@ class _HeadGrad(torch.autograd.Function):
             h = hidden[rows]
             logits = F.linear(h, weight, bias)
             t = targets[rows].unsqueeze(-1)
-            if compiled:
-                d = _compiled_chunk(logits, t, logp, ent, rows, temperature, with_entropy, rows_loss)
-            else:
-                d = _eager_chunk(logits, t, logp, ent, rows, temperature, with_entropy, rows_loss)
+            d = chunk_grad(logits, t, rows)
             del logits
             if dh is not None:
                 dh[rows] = (d @ weight).to(dh.dtype)
@@ -111,8 +108,8 @@ class _HeadGrad(torch.autograd.Function):
             if db is not None:
                 db.add_(d.sum(0).to(db.dtype))
         ctx.save_for_backward(dh, dw, db)
-        ctx.mark_non_differentiable(logp, ent)
-        return logp, ent, torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ctx.mark_non_differentiable(scores.logp, scores.ent)
+        return scores.logp, scores.ent, torch.zeros((), dtype=torch.float32, device=hidden.device)
 
     @staticmethod
     def backward(ctx: Any, _g_lp: torch.Tensor, _g_ent: torch.Tensor, g: torch.Tensor) -> tuple[Any, ...]:
@@ -128,55 +125,47 @@ class _HeadGrad(torch.autograd.Function):
         )
 
 
-def _eager_chunk(
-    logits: torch.Tensor,
-    t: torch.Tensor,
-    logp: torch.Tensor,
-    ent: torch.Tensor,
-    rows: slice,
-    temperature: float,
-    with_entropy: bool,
-    rows_loss: RowsLoss,
-) -> torch.Tensor:
-    """One chunk in eager PyTorch: fills ``logp[rows]`` and ``ent[rows]``, returns d loss / d logits in the
-    logits' dtype.  Two [n, V] fp32 tensors at a time, each pass over them a kernel of its own."""
-    logsm = logits.float()
-    if temperature != 1.0:
-        logsm.div_(temperature)
-    logsm.sub_(torch.logsumexp(logsm, dim=-1, keepdim=True))  # log-softmax, in place
-    logp[rows] = logsm.gather(-1, t).squeeze(-1)
-    p = logsm.exp()
-    if with_entropy:
-        ent[rows] = -(p * logsm).sum(-1)
-    g_lp, g_ent = _token_grads(rows_loss, logp, ent, rows)
-    d = _logit_grad(logsm, p, t, g_lp, g_ent if with_entropy else None, ent[rows])
-    del logsm, p  # written over by now
-    if temperature != 1.0:
-        d.div_(temperature)
-    # as autograd casts the gradient of ``.float()``: the products after this in the weight's dtype, like forward's
-    return d.to(logits.dtype)
+class _Scores:
+    """The head's logprobs and entropies [N] fp32, filled chunk by chunk, and the two ways to fill a chunk and take
+    the loss's gradient with respect to its logits (in the logits' dtype: as autograd casts the gradient of
+    ``.float()``, the products after it run in the weight's dtype, like forward's)."""
 
+    def __init__(
+        self, n: int, device: torch.device, temperature: float, with_entropy: bool, rows_loss: RowsLoss
+    ) -> None:
+        self.logp = torch.zeros(n, dtype=torch.float32, device=device)
+        self.ent = torch.zeros_like(self.logp)
+        self.temperature, self.with_entropy, self.rows_loss = temperature, with_entropy, rows_loss
 
-def _compiled_chunk(
-    logits: torch.Tensor,
-    t: torch.Tensor,
-    logp: torch.Tensor,
-    ent: torch.Tensor,
-    rows: slice,
-    temperature: float,
-    with_entropy: bool,
-    rows_loss: RowsLoss,
-) -> torch.Tensor:
-    """``_eager_chunk`` as two compiled kernels around the loss's per-token gradients: one reduction over the
-    logits (log-sum-exp and entropy), then one element-wise pass that writes the logits' gradient in their dtype.
-    They read the [n, V] logits in their own dtype and write only the gradient: the compiler fuses the fp32 work
-    into them, where the eager chunk runs about a dozen kernels over [n, V] fp32 tensors."""
-    stats, grad = _kernels()
-    lse, h = stats(logits, temperature, with_entropy)
-    logp[rows] = logits.gather(-1, t).squeeze(-1).float() / temperature - lse
-    ent[rows] = h
-    g_lp, g_ent = _token_grads(rows_loss, logp, ent, rows)
-    return grad(logits, t, lse, h, g_lp, g_ent, temperature, with_entropy)
+    def eager(self, logits: torch.Tensor, t: torch.Tensor, rows: slice) -> torch.Tensor:
+        """In eager PyTorch: two [n, V] fp32 tensors at a time, each pass over them a kernel of its own."""
+        temperature = self.temperature
+        logsm = logits.float()
+        if temperature != 1.0:
+            logsm.div_(temperature)
+        logsm.sub_(torch.logsumexp(logsm, dim=-1, keepdim=True))  # log-softmax, in place
+        self.logp[rows] = logsm.gather(-1, t).squeeze(-1)
+        p = logsm.exp()
+        if self.with_entropy:
+            self.ent[rows] = -(p * logsm).sum(-1)
+        g_lp, g_ent = _token_grads(self.rows_loss, self.logp, self.ent, rows)
+        d = _logit_grad(logsm, p, t, g_lp, g_ent if self.with_entropy else None, self.ent[rows])
+        del logsm, p  # written over by now
+        if temperature != 1.0:
+            d.div_(temperature)
+        return d.to(logits.dtype)
+
+    def compiled(self, logits: torch.Tensor, t: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``eager`` as two compiled kernels around the loss's per-token gradients: one reduction over the logits
+        (log-sum-exp and entropy), then one element-wise pass that writes the logits' gradient.  They read the
+        [n, V] logits in their own dtype and write only the gradient: the compiler fuses the fp32 work into them,
+        where ``eager`` runs about a dozen kernels over [n, V] fp32 tensors."""
+        stats, grad = _kernels()
+        lse, h = stats(logits, self.temperature, self.with_entropy)
+        self.logp[rows] = logits.gather(-1, t).squeeze(-1).float() / self.temperature - lse
+        self.ent[rows] = h
+        g_lp, g_ent = _token_grads(self.rows_loss, self.logp, self.ent, rows)
+        return grad(logits, t, lse, h, g_lp, g_ent, self.temperature, self.with_entropy)
 
 
 def _chunk_stats(
