@@ -347,6 +347,7 @@ def policy_loss(
     norms: Normalisers = Normalisers(),
     is_weight: torch.Tensor | None = None,
     ratio_level: Level = "token",
+    metrics: bool = True,
 ) -> tuple[torch.Tensor, Metrics]:
     """Clipped PPO surrogate with asymmetric clipping, optional dual clip and optional per-token weight.
 
@@ -368,7 +369,8 @@ def policy_loss(
     Metrics (masked token-means, detached): ``clip_frac_low`` / ``clip_frac_high`` are the tokens where the lower
     (``A < 0``) / upper (``A > 0``) clip is active, i.e. their gradient is cut; ``dual_clip_frac`` the tokens
     bounded by the dual clip; ``approx_kl`` the k3 estimate of KL(old || current) from the token ratios, the tokens
-    being from ``old``.
+    being from ``old``.  ``metrics=False`` leaves them out (an empty dict): a caller that evaluates the loss once per
+    chunk of the LM head only for its gradient (``trainer/fused_head.py``) would compute them for nothing.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None); got {dual_clip}")
@@ -393,18 +395,18 @@ def policy_loss(
     if is_weight is not None:
         loss_tok = loss_tok * is_weight.detach()
     loss = aggregate(loss_tok, mask, agg_mode, norms.tokens, norms.seqs, norms.length)
-
+    if not metrics:
+        return loss, {}
     r = ratio.detach()
     cut = clipped.detach() > unclipped.detach()
     tok_lr = tok_log_ratio.detach()
-    metrics = {
+    return loss, {
         "clip_frac_low": masked_mean((cut & (r < 1.0)).float(), mask),
         "clip_frac_high": masked_mean((cut & (r > 1.0)).float(), mask),
         "dual_clip_frac": masked_mean(dual_active.float(), mask),
         # k3 with the roles swapped: the tokens were sampled by old, so this estimates KL(old || current).
         "approx_kl": masked_mean(torch.exp(tok_lr) - 1.0 - tok_lr, mask),
     }
-    return loss, metrics
 
 
 def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -463,6 +463,7 @@ def _policy_terms(
     b: Batch,
     prox: torch.Tensor,
     counts: Counts,
+    metrics: bool,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     a = cfg.algorithm
     mask, adv, behaviour = b["response_mask"], b["advantages"], b["behaviour_logp"]
@@ -472,7 +473,7 @@ def _policy_terms(
         w = ppo.truncated_is_weight(logp.detach(), behaviour, a.tis_cap, mask, level)
         tok = -w * adv * logp
         loss = ppo.aggregate(tok, mask, a.loss_agg, *counts)
-        return loss, {"is_weight": ppo.masked_mean(w, mask)}
+        return loss, {"is_weight": ppo.masked_mean(w, mask)} if metrics else {}
     old, weight = (
         (behaviour, None)
         if a.off_policy == "none"
@@ -491,7 +492,10 @@ def _policy_terms(
         norms=counts,
         is_weight=weight,
         ratio_level=ratio_level,
+        metrics=metrics,
     )
+    if not metrics:
+        return loss, m
     if weight is not None:
         m["is_weight"] = ppo.masked_mean(weight, mask)
     if a.dual_clip is None:
@@ -529,7 +533,8 @@ def _microbatch_loss(
     head = None
     if top is None and fused_head_applies(cfg):
         head = HeadLoss(
-            lambda lp, en: _actor_terms(cfg, models, b, lp, en, counts, None)[0], cfg.trainer.compile_head
+            lambda lp, en: _actor_terms(cfg, models, b, lp, en, counts, None, metrics=False)[0],
+            cfg.trainer.compile_head,
         )
     logp, ent = _logp(models.actor, b, cfg, with_entropy=with_entropy, topk=top, loss=head)
     if head is not None and head.carrier is not None:
@@ -555,12 +560,14 @@ def _actor_terms(
     ent: torch.Tensor,
     counts: Counts,
     top: TopK | None,
+    metrics: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss from its logprobs and entropies [B, T]: the policy terms, the entropy bonus and the KL to
-    the reference; and its metrics."""
+    the reference; and its metrics, unless ``metrics`` is false (the fused head's per-chunk gradients: the
+    micro-batch's metrics come from one more evaluation of the loss, without grad)."""
     a = cfg.algorithm
     mask = b["response_mask"]
-    loss, m = _policy_terms(cfg, logp, b, b.get("prox_logp", logp.detach()), counts)
+    loss, m = _policy_terms(cfg, logp, b, b.get("prox_logp", logp.detach()), counts, metrics)
     if a.entropy_coef > 0:
         ent_loss, em = ppo.entropy_bonus(ent, mask, a.entropy_coef, a.loss_agg, *counts)
         loss = loss + ent_loss
@@ -574,7 +581,8 @@ def _actor_terms(
             kl_loss, km = ppo.kl_loss(logp, b["ref_logp"], mask, coef, kind, a.loss_agg, *counts)
         loss = loss + kl_loss
         m.update(km)
-    m["mismatch_kl"] = ppo.mismatch_kl(logp.detach(), b["behaviour_logp"], mask)
+    if metrics:
+        m["mismatch_kl"] = ppo.mismatch_kl(logp.detach(), b["behaviour_logp"], mask)
     return loss, m
 
 

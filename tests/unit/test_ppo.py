@@ -326,6 +326,23 @@ def test_dual_clip_bounds_negative_advantage_with_huge_ratio() -> None:
         _policy([0.0], [1.0], dual_clip=1.0)
 
 
+def test_policy_loss_without_metrics_is_the_same_loss_and_gradient() -> None:
+    # the fused head evaluates the loss once per chunk for its gradient alone: metrics=False must change nothing else
+    g = torch.Generator().manual_seed(0)
+    old, adv = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    mask = (torch.rand(3, 5, generator=g) > 0.3).long()
+    args: dict = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg_mode="seq-mean-token-mean")
+    out = []
+    for metrics in (True, False):
+        logp = (old + 0.5 * torch.randn(3, 5, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        loss, m = ppo.policy_loss(logp, old, adv, mask, metrics=metrics, **args)
+        loss.backward()
+        out.append((loss.detach(), logp.grad, m))
+    (l1, g1, m1), (l2, g2, m2) = out
+    assert torch.equal(l1, l2) and g1 is not None and torch.equal(g1, g2)
+    assert set(m1) == {"clip_frac_low", "clip_frac_high", "dual_clip_frac", "approx_kl"} and m2 == {}
+
+
 def test_policy_loss_divides_by_the_normalisers_it_is_given() -> None:
     # r = 1, A = [2, -1]: per-token losses [-2, 1], sum -1.  token-mean over 4 tokens of the whole step: -0.25;
     # seq-mean-token-sum over 2 sequences: -0.5; seq-mean-token-sum-norm over 2 sequences of length 4: -0.125.
