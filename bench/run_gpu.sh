@@ -17,8 +17,9 @@
 #   profile7b8l  profile7b on skip7b8l's 8 layers, with bare + AdamW too (it fits there); PROFILE_KERNELS and SAMPLES7
 #                as in profile7b
 #   fusedhead    the LM head alone over 16,384 tokens, whole logits / recomputing / fused / fused with compiled
-#                chunks (bench/head.py), then the bare step and the trainer step with the recomputing head, the fused
-#                head (the default) and trainer.compile_head, compiled layers,
+#                chunks (bench/head.py), then, with compiled layers, the bare step and the trainer step with the
+#                recomputing head, the fused head's chunks eager (trainer.compile_head false) and the default (its
+#                chunks compiled, as the layers are),
 #                FUSED_PRESETS ("qwen2.5-1.5b qwen2.5-7b-8l"), SAMPLES7 samples a step at the 7B width
 #   lora7b       the trainer step with a LoRA actor (rank 64) at the 7B shape
 #   long7b       the longest single sequences of one H200 at the 7B shape, trainer path, one sample a step:
@@ -110,7 +111,7 @@ for s in $SECTIONS; do
             for p in ${FUSED_PRESETS:-qwen2.5-1.5b qwen2.5-7b-8l}; do
                 python bench/head.py --preset "${p%-8l}" --tokens 16384
                 n=8; [ "$p" = qwen2.5-1.5b ] || n=${SAMPLES7:-8}
-                $RUN bench/trainer.py --preset "$p" --paths bare,trainer-recompute,trainer,trainer-compiled-head --kernels compile \
+                $RUN bench/trainer.py --preset "$p" --paths bare,trainer-recompute,trainer-eager-head,trainer --kernels compile \
                     --samples-per-rank "$n" --warmup 1 --steps 3
             done ;;
         lora7b) $RUN bench/trainer.py --preset qwen2.5-7b --lora 64 --paths trainer --warmup 1 --steps 3 ;;

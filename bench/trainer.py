@@ -123,7 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="comma-separated subset of the uniform paths to time: bare, bare-adam, trainer, trainer-recompute (the "
         "trainer with trainer.fused_head off: the LM head runs its chunks' logits again in backward), "
-        "trainer-compiled-head (with trainer.compile_head); default: bare, bare-adam, trainer",
+        "trainer-eager-head / trainer-compiled-head (trainer.compile_head false / true; the default config follows "
+        "--kernels); default: bare, bare-adam, trainer",
     )
     p.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
@@ -487,7 +488,7 @@ def print_phases(phases: dict[str, Phases]) -> None:
 
 
 def make_config(
-    args: argparse.Namespace, packing: bool, fused_head: bool = True, compile_head: bool = False
+    args: argparse.Namespace, packing: bool, fused_head: bool = True, compile_head: bool | None = None
 ) -> Any:
     from buffer.config import ShardRLConfig
 
@@ -529,9 +530,10 @@ def uniform_paths(args: argparse.Namespace, vocab: int, world: int) -> list[Time
     if "trainer-recompute" in wanted:
         recompute = make_config(args, packing=not args.padded, fused_head=False)
         paths.append(("trainer, recomputing head", samples, lambda: run_trainer(args, recompute, samples)))
-    if "trainer-compiled-head" in wanted:
-        compiled = make_config(args, packing=not args.padded, compile_head=True)
-        paths.append(("trainer, compiled head", samples, lambda: run_trainer(args, compiled, samples)))
+    for way, setting in (("eager", False), ("compiled", True)):
+        if f"trainer-{way}-head" in wanted:
+            head = make_config(args, packing=not args.padded, compile_head=setting)
+            paths.append((f"trainer, {way} head", samples, lambda c=head: run_trainer(args, c, samples)))
     return paths
 
 

@@ -135,7 +135,7 @@ def build_models(run: Run) -> Models:
             if not t.fused_head
             else "does not apply (this loss couples tokens, or runs sequence-parallel)"
         )
-        unused = "; trainer.compile_head has no effect" if t.compile_head else ""
+        unused = "; trainer.compile_head = true has no effect" if t.compile_head else ""
         log.info(f"trainer.fused_head {why}: the LM head recomputes its chunks in backward{unused}")
     actor = build_actor(run.model_dir, device, **sharding, lora=cfg.model.lora)
     opt = build_optimizer(actor, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)

@@ -48,6 +48,7 @@ Called by ``trainer/loop.py`` (and ``bench/trainer.py``) on every rank with the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from trainer.logprobs import TopK, batch_logprobs
 from trainer.model import batch_values
 from trainer.optim import clip_grad_norm_
 from trainer.phases import phase
+from trainer.sharding import Kernels, resolve_kernels
 
 Batch = dict[str, torch.Tensor]
 
@@ -523,6 +525,15 @@ def fused_head_applies(cfg: ShardRLConfig) -> bool:
     return t.fused_head and not couples and not topk and t.sequence_parallel == 1
 
 
+@functools.cache
+def head_compiled(setting: bool | None, kernels: Kernels, device_type: str) -> bool:
+    """``trainer.compile_head``, or where it is unset, whether ``trainer.kernels`` compiles the decoder layers on
+    this device.  Cached: it is asked once per micro-batch, and an ``auto`` without a C compiler warns once."""
+    if setting is not None:
+        return setting
+    return resolve_kernels(kernels, torch.device(device_type)) == "compile"
+
+
 def _microbatch_loss(
     cfg: ShardRLConfig, models: Models, b: Batch, counts: Counts
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -534,7 +545,7 @@ def _microbatch_loss(
     if top is None and fused_head_applies(cfg):
         head = HeadLoss(
             lambda lp, en: _actor_terms(cfg, models, b, lp, en, counts, None, metrics=False)[0],
-            cfg.trainer.compile_head,
+            head_compiled(cfg.trainer.compile_head, cfg.trainer.kernels, tdist.current_device().type),
         )
     logp, ent = _logp(models.actor, b, cfg, with_entropy=with_entropy, topk=top, loss=head)
     if head is not None and head.carrier is not None:

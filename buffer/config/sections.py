@@ -494,11 +494,12 @@ class TrainerConfig(_Section):
         "losses that are sums of per-token terms; GSPO, off_policy = 'tis' at sequence level, "
         "kl_estimator = 'topk' and sequence_parallel > 1 keep the recomputing head. false: always recompute.",
     )
-    compile_head: bool = Field(
-        False,
+    compile_head: bool | None = Field(
+        None,
         description="With the fused head: each chunk's softmax, entropy and logits' gradient as two compiled "
         "kernels (torch.compile: Triton on a GPU, the C compiler on a CPU) that read the logits in their own "
-        "dtype, instead of eager fp32 passes over them; the first step compiles them (seconds).",
+        "dtype, instead of eager fp32 passes over them; the first step compiles them (seconds). null = as "
+        "trainer.kernels resolves: compiled where the decoder layers are (compile, or auto on a GPU).",
     )
     critic_path: str | None = Field(None, description="PPO critic base; default a copy of the actor base.")
     critic_lr: float = Field(1e-5, gt=0, description="Critic learning rate.")

@@ -21,7 +21,7 @@ from buffer.config import ShardRLConfig
 from tests.unit.test_packing import _assert_grads_close, _grads, _models, _samples
 from trainer import dist as tdist
 from trainer import fused_head as fh
-from trainer.step import Models, fused_head_applies, train_step
+from trainer.step import Models, fused_head_applies, head_compiled, train_step
 
 
 def _per_token_loss(
@@ -245,3 +245,18 @@ def test_in_bf16_the_gradients_match_the_recomputing_heads_within_bf16_rounding(
         assert got is not None and want is not None and got.dtype == torch.bfloat16
         # the input's gradient comes out the same; the weight's differs by the order of its bf16 sums (~4e-3 here)
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+
+
+def test_compile_head_unset_follows_where_the_layers_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # null: compiled exactly where trainer.kernels compiles the decoder layers; true / false stand on any device
+    head_compiled.cache_clear()
+    assert not head_compiled(None, "auto", "cpu") and not head_compiled(None, "eager", "cuda")
+    assert head_compiled(None, "compile", "cpu") and head_compiled(None, "auto", "cuda")
+    assert head_compiled(True, "eager", "cpu") and not head_compiled(False, "compile", "cuda")
+    # no C compiler: auto stays eager for the layers, and so does the head
+    import trainer.sharding as sharding
+
+    head_compiled.cache_clear()
+    monkeypatch.setattr(sharding.shutil, "which", lambda _name: None)
+    assert not head_compiled(None, "auto", "cuda")
+    head_compiled.cache_clear()
