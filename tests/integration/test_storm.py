@@ -22,10 +22,19 @@ import pytest
 from buffer import control, plans, shards, weights
 from buffer.control import Leases
 from buffer.layout import RunLayout
-from buffer.records import Plan, create_record
+from buffer.records import Plan, WeightsManifest, create_record, write_record
 
 from ._common import wait_for
-from .storm import Audit, Storm, StormSpec, audit, make_storm_run, run_storm, supervisor_role
+from .storm import (
+    Audit,
+    Storm,
+    StormSpec,
+    audit,
+    check_version_steps,
+    make_storm_run,
+    run_storm,
+    supervisor_role,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +101,37 @@ def test_a_dead_supervisors_lease_above_the_desired_count_is_given_back(tmp_path
     assert fsck.returncode == 0, fsck.stdout
 
 
+def _published(layout: RunLayout, version: int, step: int) -> None:
+    d = layout.weight_version(version)
+    d.mkdir(parents=True)
+    record = {"version": version, "step": step, "dtype": "float32", "created_at": 0.0, "files": {}}
+    write_record(d / weights.MANIFEST, WeightsManifest.validated(record, d / weights.MANIFEST))
+
+
+def test_a_version_may_go_back_a_step_only_where_a_restart_replayed_it(tmp_path: Path) -> None:
+    """Found by the storm (seed 1002, two ranks): a trainer published v2 at step 4 past its checkpoint of step 2,
+    was killed, and its successor replayed step 3 as v3.  That is a replay, not disorder; the same numbers without
+    the replay in the metrics are."""
+    layout = RunLayout.of(tmp_path / "run")
+    for version, step in ((1, 3), (2, 4), (3, 3), (4, 4)):
+        _published(layout, version, step)
+    metrics = layout.metrics_file("trainer")
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    records = [{"step": s, "epoch": 1, "replayed": 0} for s in (1, 2, 3, 4)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    unexplained = Audit()
+    check_version_steps(layout, unexplained)
+    assert unexplained.problems == [
+        "published version v3 (step 3) follows v2 (step 4) and step 3 is no replay"
+    ]
+    with metrics.open("a") as f:
+        for s in (3, 4):
+            f.write(json.dumps({"step": s, "epoch": 2, "replayed": 1}) + "\n")
+    replayed = Audit()
+    check_version_steps(layout, replayed)
+    assert replayed.problems == []
+
+
 def _flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
@@ -142,6 +182,11 @@ def test_the_audit_reports_each_kind_of_damage(
     storm.sampler.sample()
     weights.write_latest(layout, weights.published_versions(layout)[0], 0)
     storm.sampler.sample()
+    # the newest version stamped with a step before its predecessor's, one no restart replayed
+    newest = layout.weight_version(weights.published_versions(layout)[-1]) / weights.MANIFEST
+    manifest = json.loads(newest.read_text())
+    manifest["step"] = 0
+    newest.write_text(json.dumps(manifest))
     # a command nobody applied
     storm.commands.written.append(("never-applied", {"action": "set", "count": 1}))
 
@@ -156,6 +201,7 @@ def test_the_audit_reports_each_kind_of_damage(
         "lineage",
         f"LATEST -> v{latest} does not verify",
         "LATEST went back",
+        "(step 0) follows",
         "applied 0 times",
         "desired workers",
         f"orphan process {stray.pid}",
