@@ -607,11 +607,10 @@ def main(argv: list[str] | None = None) -> None:
             gain = results["trainer step, longtail packed"] / results["trainer step, longtail padded"]
             print(f"longtail packed / uniform real tokens/s {ratio:.3f} (target >= 0.9)", flush=True)
             print(f"longtail packed / longtail padded real tokens/s {gain:.2f}x", flush=True)
-        else:
+        elif "bare fwd+bwd" in results:
             for name in [n for n in results if n.startswith("trainer")]:  # every trainer path that ran
-                if "bare fwd+bwd" in results:
-                    ratio = results[name] / results["bare fwd+bwd"]
-                    print(f"{name} / bare tokens/s ratio {ratio:.3f} (target >= 1.0)", flush=True)
+                ratio = results[name] / results["bare fwd+bwd"]
+                print(f"{name} / bare tokens/s ratio {ratio:.3f} (target >= 1.0)", flush=True)
     tdist.teardown()
 
 
